@@ -1,0 +1,1 @@
+"""Adapters to cloud systems: metadata (preemption notices) and object storage."""

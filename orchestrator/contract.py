@@ -1,0 +1,188 @@
+"""The contract between the orchestrator (service, agent) and the in-job ``training`` library.
+
+This module is the only part of ``orchestrator`` that ``training`` imports (besides the
+torch-free object stores in ``orchestrator.cloud.storage``), so it must stay stdlib-only
+and cheap to import: a rank imports it on every start.
+
+Three things live here:
+
+* **Environment variables** the node agent sets for every rank (the run's context).
+* **Exit codes** a rank uses to tell the agent and the service *why* it stopped.
+  The agent reads them; the classifier maps them to failure classes. Codes are in
+  the 64-113 range that shells and torchrun leave alone (sysexits.h territory),
+  so they never collide with signals (128+N) or Python's own 1/2.
+* **The checkpoint layout and manifest schema.** A checkpoint is a directory
+  ``step_<N>`` holding the DCP shards, ``.metadata``, ``manifest.json`` and, written
+  last, ``COMMIT``. Only a directory whose COMMIT names the digest of its manifest
+  counts; everything else is partial and is never resumed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+
+class Env:
+    """Names of the environment variables the agent gives each rank."""
+
+    SERVICE_URL = "SKYRESUME_RUN_SERVICE_URL"
+    JOB_ID = "SKYRESUME_RUN_JOB_ID"
+    JOB_TOKEN = "SKYRESUME_RUN_JOB_TOKEN"
+    ATTEMPT = "SKYRESUME_RUN_ATTEMPT"
+    NODE_ID = "SKYRESUME_RUN_NODE_ID"
+    #: Where checkpoints live durably (file://, s3://, gs://).
+    CHECKPOINT_URI = "SKYRESUME_RUN_CHECKPOINT_URI"
+    #: Fast node-local tier; saves land here first and are then uploaded.
+    LOCAL_CHECKPOINT_DIR = "SKYRESUME_RUN_LOCAL_CHECKPOINT_DIR"
+    #: ``latest`` | ``none`` | a path or URI of one ``step_<N>`` directory.
+    RESUME_FROM = "SKYRESUME_RUN_RESUME_FROM"
+    #: Expected resume step, set by the reconciler after staging; ranks refuse to
+    #: train when what they loaded differs.
+    EXPECTED_STEP = "SKYRESUME_RUN_EXPECTED_STEP"
+    CHECKPOINT_EVERY = "SKYRESUME_RUN_CHECKPOINT_EVERY"
+    #: ``host:port`` of the agent's UDP progress listener on loopback.
+    PROGRESS_ADDR = "SKYRESUME_RUN_PROGRESS_ADDR"
+    #: Training knobs chosen by the memory planner.
+    ACTIVATION_CHECKPOINT_EVERY = "SKYRESUME_RUN_ACTIVATION_CHECKPOINT_EVERY"
+    MICRO_BATCH = "SKYRESUME_RUN_MICRO_BATCH"
+    GRAD_ACCUM = "SKYRESUME_RUN_GRAD_ACCUM"
+    GLOBAL_BATCH = "SKYRESUME_RUN_GLOBAL_BATCH"
+
+
+class ExitCode(IntEnum):
+    """Why a rank exited. Anything not listed is a crash the classifier reads from logs."""
+
+    OK = 0
+    #: SIGTERM/SIGUSR1 received, all ranks agreed, emergency checkpoint committed.
+    PREEMPTED_SAVED = 75
+    #: NaN/Inf in loss or gradients; no optimizer step was applied.
+    NAN_DETECTED = 76
+    #: Ranks loaded different steps or manifests; training refused to start.
+    RESUME_MISMATCH = 77
+    #: The checkpoint asked for is partial, corrupt or unusable.
+    CHECKPOINT_INVALID = 78
+    #: The reference forward pass drifted: silent data corruption suspected.
+    SILENT_CORRUPTION = 79
+
+
+# --- checkpoint layout ---------------------------------------------------------------
+
+MANIFEST_NAME = "manifest.json"
+COMMIT_NAME = "COMMIT"
+MANIFEST_FORMAT = "skyresume-checkpoint/1"
+STEP_DIR_RE = re.compile(r"^step_(\d+)$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a ``step_<N>`` directory name, or None for any other name."""
+    m = STEP_DIR_RE.match(name.rstrip("/").rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else None
+
+
+class ManifestError(ValueError):
+    """A manifest or COMMIT marker that cannot be trusted; the message names why."""
+
+
+@dataclass(frozen=True)
+class ManifestFile:
+    path: str
+    """Relative to the step directory, ``/``-separated."""
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    world_size: int
+    created: str
+    """ISO 8601 UTC."""
+    files: tuple[ManifestFile, ...]
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form: global batch, knobs, torch version... never needed to load."""
+
+    def to_json(self) -> bytes:
+        doc = {
+            "format": MANIFEST_FORMAT,
+            "step": self.step,
+            "world_size": self.world_size,
+            "created": self.created,
+            "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in self.files],
+            "extra": self.extra,
+        }
+        return json.dumps(doc, indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, *, source: str = "manifest.json") -> Manifest:
+        try:
+            doc = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ManifestError(f"{source}: not valid JSON ({e})") from None
+        if not isinstance(doc, dict):
+            raise ManifestError(f"{source}: expected a JSON object")
+        if doc.get("format") != MANIFEST_FORMAT:
+            raise ManifestError(f"{source}: format is {doc.get('format')!r}, want {MANIFEST_FORMAT!r}")
+        try:
+            step = doc["step"]
+            world = doc["world_size"]
+            files_doc = doc["files"]
+            created = doc["created"]
+        except KeyError as e:
+            raise ManifestError(f"{source}: missing field {e.args[0]!r}") from None
+        if not isinstance(step, int) or step < 0:
+            raise ManifestError(f"{source}: step must be a non-negative integer, got {step!r}")
+        if not isinstance(world, int) or world < 1:
+            raise ManifestError(f"{source}: world_size must be a positive integer, got {world!r}")
+        if not isinstance(files_doc, list) or not files_doc:
+            raise ManifestError(f"{source}: files must be a non-empty list")
+        files = []
+        for i, f in enumerate(files_doc):
+            try:
+                path, size, digest = f["path"], f["size"], f["sha256"]
+            except (KeyError, TypeError):
+                raise ManifestError(f"{source}: files[{i}] needs path, size and sha256") from None
+            if (
+                not isinstance(path, str)
+                or path.startswith("/")
+                or ".." in path.split("/")
+                or path in (MANIFEST_NAME, COMMIT_NAME)
+            ):
+                raise ManifestError(f"{source}: files[{i}].path {path!r} is not a safe relative path")
+            if not isinstance(size, int) or size < 0:
+                raise ManifestError(f"{source}: files[{i}].size must be >= 0, got {size!r}")
+            if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+                raise ManifestError(f"{source}: files[{i}].sha256 is not a sha256 hex digest")
+            files.append(ManifestFile(path, size, digest))
+        return cls(step, world, str(created), tuple(files), dict(doc.get("extra") or {}))
+
+
+def manifest_digest(manifest_bytes: bytes) -> str:
+    """The digest a COMMIT marker must carry, and the one ranks compare on resume."""
+    return hashlib.sha256(manifest_bytes).hexdigest()
+
+
+def commit_marker(manifest_bytes: bytes) -> bytes:
+    return f"sha256:{manifest_digest(manifest_bytes)}\n".encode()
+
+
+def check_commit(commit_bytes: bytes, manifest_bytes: bytes, *, source: str = "COMMIT") -> None:
+    """Raise ManifestError unless the COMMIT marker names exactly this manifest."""
+    want = commit_marker(manifest_bytes)
+    if commit_bytes != want:
+        raise ManifestError(f"{source}: does not match the manifest's digest (torn or foreign commit)")
+
+
+# --- progress channel (rank -> agent, UDP datagrams on loopback) ---------------------
+
+#: Every datagram is one JSON object with a "type" of these.
+PROGRESS_TYPES = frozenset({"progress", "anomaly", "checkpoint", "exit"})
+MAX_DATAGRAM = 8192

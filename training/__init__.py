@@ -1,0 +1,1 @@
+"""skyresume's in-job training library (imports torch)."""
