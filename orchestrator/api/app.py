@@ -1,0 +1,101 @@
+"""The FastAPI app factory. Nothing is built at import time: ``create_app(settings)``
+makes the engine, the session factory and the token for this app alone, so tests
+can run several apps against several databases in one process."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from sqlalchemy import Engine, func, select, text
+
+from orchestrator import __version__
+from orchestrator.api import routes_jobs
+from orchestrator.api.auth import ensure_local_token
+from orchestrator.domain.status import JobStatus
+from orchestrator.settings import Settings
+from orchestrator.store.db import make_engine, make_sessionmaker
+from orchestrator.store.models import Job
+
+log = logging.getLogger(__name__)
+
+
+class _JobsByStatus:
+    """Computed at scrape time from the database, so every replica reports the truth."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        g = GaugeMetricFamily("skyresume_jobs", "Jobs by current status", labels=["status"])
+        counts = dict.fromkeys(JobStatus, 0)
+        try:
+            with self.app.state.sessionmaker() as s:
+                for st, n in s.execute(select(Job.status, func.count()).group_by(Job.status)):
+                    counts[JobStatus(st)] = n
+        except Exception:  # a scrape must not fail because the DB blinked
+            log.exception("metrics: could not count jobs")
+            return
+        for st, n in counts.items():
+            g.add_metric([st.value], n)
+        yield g
+
+
+def create_app(settings: Settings | None = None, *, engine: Engine | None = None) -> FastAPI:
+    settings = settings or Settings()
+    app = FastAPI(
+        title="skyresume",
+        version=__version__,
+        description="Jobs, failure events and recoveries for spot-instance training.",
+    )
+    app.state.settings = settings
+    app.state.engine = engine or make_engine(settings.effective_database_url)
+    app.state.sessionmaker = make_sessionmaker(app.state.engine)
+    app.state.token = ensure_local_token(settings)
+
+    registry = CollectorRegistry()
+    requests = Counter(
+        "skyresume_http_requests", "HTTP requests", ["method", "route", "code"], registry=registry
+    )
+    latency = Histogram(
+        "skyresume_http_request_seconds", "HTTP latency", ["method", "route"], registry=registry
+    )
+    registry.register(_JobsByStatus(app))
+    app.state.registry = registry
+
+    @app.middleware("http")
+    async def _measure(request: Request, call_next):  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        requests.labels(request.method, path, str(response.status_code)).inc()
+        latency.labels(request.method, path).observe(time.perf_counter() - start)
+        return response
+
+    @app.get("/healthz", tags=["ops"])
+    def healthz() -> dict[str, str]:
+        """The process is up."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["ops"])
+    def readyz() -> Response:
+        """The database answers and has the schema."""
+        try:
+            with app.state.engine.connect() as conn:
+                conn.execute(text("SELECT 1"))
+                conn.execute(select(func.count()).select_from(Job))
+        except Exception as e:
+            return JSONResponse({"status": "unavailable", "reason": type(e).__name__}, 503)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics", tags=["ops"])
+    def metrics() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(registry).decode(), media_type="text/plain")
+
+    app.include_router(routes_jobs.router)
+    return app

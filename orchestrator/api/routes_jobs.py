@@ -1,0 +1,113 @@
+"""/v1/jobs and /v1/jobs/{id}/events."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Query, Request, Response, status
+
+from orchestrator.api.deps import OperatorDep, SessionDep
+from orchestrator.api.schemas import EventIn, EventOut, EventPage, JobDetail, JobOut, JobPage
+from orchestrator.domain.spec import (
+    MAX_SPEC_BYTES,
+    SpecError,
+    load_yaml_document,
+    validate_job_spec,
+)
+from orchestrator.domain.status import IllegalTransition, JobStatus
+from orchestrator.store import repo
+
+router = APIRouter(prefix="/v1", dependencies=[OperatorDep])
+
+
+def _spec_error(e: SpecError) -> HTTPException:
+    detail = [{"loc": ["body", *filter(None, loc.split("."))], "msg": msg} for loc, msg in e.errors]
+    return HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail)
+
+
+@router.post("/jobs", status_code=201, response_model=JobOut)
+async def create_job(request: Request, session: SessionDep) -> JobOut:
+    """Submit a job spec as JSON, or as YAML with ``Content-Type: application/yaml``."""
+    body = await request.body()
+    if len(body) > MAX_SPEC_BYTES:
+        raise HTTPException(413, f"job spec is {len(body)} bytes; the limit is {MAX_SPEC_BYTES}")
+    ctype = request.headers.get("content-type", "application/json").split(";")[0].strip()
+    try:
+        if ctype in ("application/yaml", "application/x-yaml", "text/yaml"):
+            doc = load_yaml_document(body)
+        elif ctype == "application/json":
+            try:
+                doc = json.loads(body)
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise SpecError([("", f"unreadable JSON: {e}")]) from None
+        else:
+            raise HTTPException(415, f"unsupported content type {ctype!r}; use JSON or YAML")
+        spec = validate_job_spec(doc)
+    except SpecError as e:
+        raise _spec_error(e) from None
+    job = repo.create_job(session, spec)
+    return JobOut.model_validate(job, from_attributes=True)
+
+
+@router.get("/jobs", response_model=JobPage)
+def list_jobs(
+    session: SessionDep,
+    status_: Annotated[JobStatus | None, Query(alias="status")] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    offset: Annotated[int, Query(ge=0)] = 0,
+) -> JobPage:
+    page = repo.list_jobs(session, status=status_, limit=limit, offset=offset)
+    items = [JobOut.model_validate(j, from_attributes=True) for j in page.items]
+    return JobPage(items=items, total=page.total, limit=limit, offset=offset)
+
+
+def _job_or_404(session: SessionDep, job_id: str):  # type: ignore[no-untyped-def]
+    try:
+        return repo.get_job(session, job_id)
+    except repo.NotFound as e:
+        raise HTTPException(404, str(e)) from None
+
+
+@router.get("/jobs/{job_id}", response_model=JobDetail)
+def get_job(job_id: str, session: SessionDep) -> JobDetail:
+    job = _job_or_404(session, job_id)
+    transitions = [
+        {"from_status": t.from_status, "to_status": t.to_status, "reason": t.reason, "at": t.at}
+        for t in repo.list_transitions(session, job_id)
+    ]
+    base = JobOut.model_validate(job, from_attributes=True).model_dump()
+    return JobDetail(**base, transitions=transitions)
+
+
+@router.post("/jobs/{job_id}/cancel", response_model=JobOut)
+def cancel_job(job_id: str, session: SessionDep) -> JobOut:
+    _job_or_404(session, job_id)
+    try:
+        job = repo.set_status(session, job_id, JobStatus.CANCELLED, reason="cancelled by operator")
+    except IllegalTransition as e:
+        raise HTTPException(409, str(e)) from None
+    return JobOut.model_validate(job, from_attributes=True)
+
+
+@router.get("/jobs/{job_id}/events", response_model=EventPage)
+def list_events(
+    job_id: str,
+    session: SessionDep,
+    after: Annotated[int, Query(ge=0, description="cursor: only events with a larger id")] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> EventPage:
+    _job_or_404(session, job_id)
+    events = repo.list_events(session, job_id, after=after, limit=limit)
+    items = [EventOut.model_validate(e, from_attributes=True) for e in events]
+    return EventPage(items=items, next_cursor=items[-1].id if items else after)
+
+
+@router.post("/jobs/{job_id}/events", response_model=EventOut, status_code=201)
+def post_event(job_id: str, body: EventIn, session: SessionDep, response: Response) -> EventOut:
+    """Record an event. Re-posting an idempotency key returns the stored event with 200."""
+    _job_or_404(session, job_id)
+    event, created = repo.record_event(session, job_id, **body.model_dump())
+    if not created:
+        response.status_code = 200
+    return EventOut.model_validate(event, from_attributes=True)

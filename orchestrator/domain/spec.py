@@ -1,0 +1,197 @@
+"""The job spec: what an operator submits (YAML or JSON), validated before anything is stored.
+
+Every model forbids unknown fields, so a typo (``num_node:``) is an error naming the
+field rather than a silently ignored setting. ``parse_job_spec_yaml`` refuses YAML
+aliases (the "billion laughs" bomb) and oversized documents before parsing further.
+The format is documented in the README; ``task_templates/job.example.yaml`` is a
+complete example.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+MAX_SPEC_BYTES = 256 * 1024
+
+# "A100:8", "H100-80GB:8", "L4", "tpu-v5e-8"; or memory forms "nvidia:40GB+:8", "80GB:8".
+_ACCEL_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.\-]*(:[1-9][0-9]*)?$")
+_ACCEL_MEMORY = re.compile(r"^((nvidia|amd|google):)?[1-9][0-9]*GB\+?(:[1-9][0-9]*)?$", re.IGNORECASE)
+_NAME = re.compile(r"^[a-z0-9][a-z0-9\-_.]{0,62}$")
+
+Cloud = Literal["aws", "gcp", "azure", "kubernetes", "lambda", "runpod", "local"]
+
+
+class SpecError(ValueError):
+    """An invalid spec. ``errors`` holds (field path, reason) pairs."""
+
+    def __init__(self, errors: list[tuple[str, str]]) -> None:
+        self.errors = errors
+        super().__init__("; ".join(f"{loc}: {msg}" if loc else msg for loc, msg in errors))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TaskSpec(_Strict):
+    """What runs on every node: a template from ``task_templates/`` with a command,
+    or a user's own SkyPilot task YAML (used unchanged)."""
+
+    template: str | None = None
+    skypilot_yaml: str | None = None
+    command: str | None = None
+    """The training command, run by the node agent under torchrun."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TaskSpec:
+        if bool(self.template) == bool(self.skypilot_yaml):
+            raise ValueError("give exactly one of template or skypilot_yaml")
+        if self.template and not self.command:
+            raise ValueError("a template needs a command")
+        return self
+
+
+class ModelProfile(_Strict):
+    """Enough of the model for the memory planner to estimate bytes per GPU."""
+
+    parameters: int = Field(gt=0)
+    layers: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    heads: int = Field(gt=0)
+    seq_len: int = Field(gt=0)
+    global_batch: int = Field(gt=0, description="sequences per optimizer step, all ranks")
+    micro_batch: int = Field(gt=0, description="sequences per rank per forward pass")
+    dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
+    optimizer_bytes_per_param: float = Field(default=12.0, gt=0)
+    sharding: Literal["ddp", "fsdp"] = "ddp"
+
+    @model_validator(mode="after")
+    def _batch(self) -> ModelProfile:
+        if self.micro_batch > self.global_batch:
+            raise ValueError("micro_batch cannot exceed global_batch")
+        if self.hidden_size % self.heads:
+            raise ValueError("hidden_size must be divisible by heads")
+        return self
+
+
+class CheckpointSpec(_Strict):
+    uri: str
+    """file:///abs/path, s3://bucket/prefix or gs://bucket/prefix."""
+    every_steps: int = Field(default=100, ge=1)
+    keep: int = Field(default=3, ge=2, description="complete checkpoints kept (at least 2)")
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, v: str) -> str:
+        m = re.match(r"^(file|s3|gs)://(.*)$", v)
+        if not m:
+            raise ValueError(f"{v!r} must start with file://, s3:// or gs://")
+        scheme, rest = m.groups()
+        if scheme == "file" and not rest.startswith("/"):
+            raise ValueError(f"{v!r}: file:// needs an absolute path (file:///path)")
+        if scheme in ("s3", "gs") and not re.match(r"^[a-z0-9][a-z0-9.\-_]{1,62}(/|$)", rest):
+            raise ValueError(f"{v!r}: missing or invalid bucket name")
+        return v
+
+
+class RestartPolicy(_Strict):
+    max_restarts: int = Field(default=10, ge=0)
+    heartbeat_timeout_s: float = Field(default=30.0, gt=0)
+    grace_period_s: float = Field(default=90.0, gt=0, description="time ranks get to save")
+    max_same_user_error: int = Field(default=2, ge=1)
+
+
+class JobSpec(_Strict):
+    name: str
+    task: TaskSpec
+    num_nodes: int = Field(ge=1, le=4096)
+    min_nodes: int | None = Field(default=None, ge=1)
+    """Elastic runs may continue on fewer nodes, down to this. Default: num_nodes."""
+    ranks_per_node: int = Field(default=1, ge=1, le=64)
+    accelerators: list[str] = Field(default_factory=list)
+    """Candidates in order of preference; empty for CPU-only runs."""
+    spot: bool = True
+    clouds: list[Cloud] = Field(default_factory=list)
+    regions: list[str] = Field(default_factory=list)
+    model: ModelProfile | None = None
+    checkpoint: CheckpointSpec
+    restarts: RestartPolicy = Field(default_factory=RestartPolicy)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError("use 1-63 lower-case letters, digits, '-', '_' or '.'")
+        return v
+
+    @field_validator("accelerators")
+    @classmethod
+    def _accels(cls, v: list[str]) -> list[str]:
+        for a in v:
+            if not (_ACCEL_NAME.match(a) or _ACCEL_MEMORY.match(a)):
+                raise ValueError(
+                    f"{a!r} is not an accelerator: use NAME[:COUNT] (A100:8) "
+                    "or a memory form (nvidia:40GB+:8)"
+                )
+        return v
+
+    @model_validator(mode="after")
+    def _nodes(self) -> JobSpec:
+        if self.min_nodes is not None and self.min_nodes > self.num_nodes:
+            raise ValueError(f"min_nodes ({self.min_nodes}) exceeds num_nodes ({self.num_nodes})")
+        return self
+
+    @property
+    def effective_min_nodes(self) -> int:
+        return self.min_nodes or self.num_nodes
+
+
+def _errors(e: ValidationError) -> list[tuple[str, str]]:
+    out = []
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field"
+        out.append((loc, msg))
+    return out
+
+
+def validate_job_spec(doc: Any) -> JobSpec:
+    if not isinstance(doc, dict):
+        raise SpecError([("", f"a job spec must be a mapping, got {type(doc).__name__}")])
+    try:
+        return JobSpec.model_validate(doc)
+    except ValidationError as e:
+        raise SpecError(_errors(e)) from None
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """SafeLoader that refuses aliases: a few lines of anchors can expand to gigabytes."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            line = event.start_mark.line + 1
+            raise SpecError([("", f"line {line}: YAML aliases (*{event.anchor}) are not allowed")])
+        return super().compose_node(parent, index)
+
+
+def load_yaml_document(text: str | bytes, *, what: str = "job spec") -> Any:
+    if len(text) > MAX_SPEC_BYTES:
+        raise SpecError([("", f"{what} is {len(text)} bytes; the limit is {MAX_SPEC_BYTES}")])
+    try:
+        return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise SpecError([("", f"unreadable YAML: {where}{problem}")]) from None
+
+
+def parse_job_spec_yaml(text: str | bytes) -> JobSpec:
+    return validate_job_spec(load_yaml_document(text))

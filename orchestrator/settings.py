@@ -1,0 +1,67 @@
+"""Service settings, one class, read once per process by the app factory or the CLI.
+
+Precedence, highest first:
+1. keyword arguments to ``Settings(...)`` (tests, ``skyresume serve --db-url``);
+2. environment variables with the ``SKYRESUME_`` prefix (``SKYRESUME_DATABASE_URL``);
+3. a ``.env`` file in the working directory;
+4. the defaults below (an embedded SQLite file under ``~/.skyresume/``).
+
+Nothing here is evaluated at import time: building the engine or the app reads a
+``Settings`` instance passed to it, so tests never inherit a stale global.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("SKYRESUME_HOME", Path.home() / ".skyresume"))
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SKYRESUME_", env_file=".env", extra="ignore")
+
+    home: Path = Field(default_factory=default_home)
+    """State directory: the embedded database, the local token, local launcher dirs."""
+    database_url: str = ""
+    """SQLAlchemy URL. Empty means ``sqlite:///<home>/skyresume.db``."""
+    host: str = "127.0.0.1"
+    port: int = 8470
+    service_url: str = ""
+    """Where clients reach the service; empty means ``http://<host>:<port>``."""
+    token: str = ""
+    """Operator bearer token. Empty in local mode: ``serve`` creates one in
+    ``<home>/token`` (mode 0600) and the CLI reads it from there."""
+    auto_migrate: bool | None = None
+    """Upgrade the schema on ``serve``. Default: on for SQLite, off otherwise
+    (production PostgreSQL is upgraded deliberately with ``skyresume db upgrade``)."""
+
+    @field_validator("port")
+    @classmethod
+    def _port_range(cls, v: int) -> int:
+        if not 0 <= v <= 65535:
+            raise ValueError(f"port must be 0-65535, got {v}")
+        return v
+
+    @property
+    def effective_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.home / 'skyresume.db'}"
+
+    @property
+    def effective_service_url(self) -> str:
+        return (self.service_url or f"http://{self.host}:{self.port}").rstrip("/")
+
+    @property
+    def token_path(self) -> Path:
+        return self.home / "token"
+
+    @property
+    def should_auto_migrate(self) -> bool:
+        if self.auto_migrate is not None:
+            return self.auto_migrate
+        return self.effective_database_url.startswith("sqlite")

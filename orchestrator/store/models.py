@@ -1,0 +1,162 @@
+"""SQLAlchemy 2 models. Alembic (``migrations/``) owns the schema; a test proves the
+migrated schema and these models agree.
+
+History is append-only: ``job_transitions``, ``failure_events`` and
+``protocol_steps`` rows are inserted, and a protocol step's ``finished_at`` and
+``outcome`` are filled once, when it ends. The ``jobs`` row holds only the current
+status.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Explicit constraint names so that SQLite and PostgreSQL migrations agree.
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# SQLite only auto-increments INTEGER PRIMARY KEY; BigInteger elsewhere.
+IdType = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(63), index=True)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    spec: Mapped[dict] = mapped_column(JSON)
+    status_reason: Mapped[str | None] = mapped_column(Text)
+    restart_count: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class JobTransition(Base):
+    __tablename__ = "job_transitions"
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    from_status: Mapped[str | None] = mapped_column(String(16))
+    to_status: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(Text)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class FailureEvent(Base):
+    """One observed failure (or notice). Posting the same idempotency key twice
+    returns the first row and stores nothing new."""
+
+    __tablename__ = "failure_events"
+    __table_args__ = (UniqueConstraint("job_id", "idempotency_key"),)
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    idempotency_key: Mapped[str] = mapped_column(String(128))
+    kind: Mapped[str] = mapped_column(String(64))
+    failure_class: Mapped[str | None] = mapped_column(String(64))
+    node_id: Mapped[str | None] = mapped_column(String(64))
+    rank: Mapped[int | None] = mapped_column(Integer)
+    message: Mapped[str | None] = mapped_column(Text)
+    details: Mapped[dict] = mapped_column(JSON, default=dict)
+    occurred_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Attempt(Base):
+    """One launch or relaunch, with the plan it ran on."""
+
+    __tablename__ = "attempts"
+    __table_args__ = (UniqueConstraint("job_id", "number"),)
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    number: Mapped[int] = mapped_column(Integer)
+    cloud: Mapped[str] = mapped_column(String(32))
+    region: Mapped[str] = mapped_column(String(64))
+    zone: Mapped[str | None] = mapped_column(String(64))
+    instance_type: Mapped[str] = mapped_column(String(64))
+    accelerator: Mapped[str | None] = mapped_column(String(64))
+    num_nodes: Mapped[int] = mapped_column(Integer)
+    spot: Mapped[bool] = mapped_column(Boolean)
+    price_per_node_hour: Mapped[float | None] = mapped_column(Float)
+    knobs: Mapped[dict] = mapped_column(JSON, default=dict)
+    resume_step: Mapped[int | None] = mapped_column(Integer)
+    cluster_name: Mapped[str | None] = mapped_column(String(128))
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    end_reason: Mapped[str | None] = mapped_column(Text)
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+    __table_args__ = (UniqueConstraint("job_id", "node_id"),)
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    node_id: Mapped[str] = mapped_column(String(64))
+    node_rank: Mapped[int] = mapped_column(Integer)
+    address: Mapped[str | None] = mapped_column(String(255))
+    state: Mapped[str] = mapped_column(String(16))
+    last_heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    progress: Mapped[dict] = mapped_column(JSON, default=dict)
+    registered_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (UniqueConstraint("job_id", "step"),)
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    uri: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16))  # partial | complete | invalid | deleted
+    manifest_digest: Mapped[str | None] = mapped_column(String(64))
+    world_size: Mapped[int | None] = mapped_column(Integer)
+    size_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class ProtocolStep(Base):
+    """One step of the restart protocol for one incident, with its timing."""
+
+    __tablename__ = "protocol_steps"
+    __table_args__ = (
+        UniqueConstraint("incident_id", "step"),
+        Index("ix_protocol_steps_job", "job_id"),
+    )
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    incident_id: Mapped[int] = mapped_column(ForeignKey("failure_events.id", ondelete="CASCADE"))
+    step: Mapped[str] = mapped_column(String(32))
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    outcome: Mapped[str | None] = mapped_column(String(16))  # ok | failed | skipped
+    detail: Mapped[str | None] = mapped_column(Text)
