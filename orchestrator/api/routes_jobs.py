@@ -111,3 +111,17 @@ def post_event(job_id: str, body: EventIn, session: SessionDep, response: Respon
     if not created:
         response.status_code = 200
     return EventOut.model_validate(event, from_attributes=True)
+
+
+@router.get("/events", response_model=EventPage)
+def list_all_events(
+    session: SessionDep,
+    after: Annotated[int, Query(ge=0, description="cursor: only events with a larger id")] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> EventPage:
+    """Events of every job, oldest first."""
+    items = [
+        EventOut.model_validate(e, from_attributes=True)
+        for e in repo.list_all_events(session, after=after, limit=limit)
+    ]
+    return EventPage(items=items, next_cursor=items[-1].id if items else after)

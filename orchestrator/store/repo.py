@@ -183,3 +183,9 @@ def list_events(
         .limit(limit)
     )
     return list(session.scalars(q))
+
+
+def list_all_events(session: Session, *, after: int = 0, limit: int = 100) -> list[FailureEvent]:
+    """Events of every job with id > ``after``, oldest first."""
+    q = select(FailureEvent).where(FailureEvent.id > after).order_by(FailureEvent.id).limit(limit)
+    return list(session.scalars(q))

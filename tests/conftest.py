@@ -1,0 +1,112 @@
+"""Shared fixtures: databases (SQLite always, PostgreSQL when reachable), apps, clients.
+
+PostgreSQL: ``SKYRESUME_TEST_POSTGRES_URL`` (default postgresql://postgres@127.0.0.1:5432/test).
+Each test session creates its own database there and drops it afterwards. When the
+server is unreachable the postgres cases are skipped, unless
+``SKYRESUME_REQUIRE_POSTGRES=1`` (CI sets it), where they fail instead.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PG_BASE = os.environ.get(
+    "SKYRESUME_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
+)
+
+
+def _pg_admin(sql: str) -> None:
+    import psycopg
+
+    with psycopg.connect(PG_BASE, autocommit=True, connect_timeout=5) as conn:
+        conn.execute(sql)
+
+
+@pytest.fixture(scope="session")
+def postgres_server_url() -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for this test session."""
+    name = "skyresume_t_" + secrets.token_hex(4)
+    try:
+        _pg_admin(f'CREATE DATABASE "{name}"')
+    except Exception as e:
+        if os.environ.get("SKYRESUME_REQUIRE_POSTGRES") == "1":
+            pytest.fail(f"PostgreSQL required but unreachable at {PG_BASE}: {e}")
+        pytest.skip(f"PostgreSQL unreachable at {PG_BASE}: {e}")
+    base = PG_BASE.rsplit("/", 1)[0]
+    yield f"{base}/{name}"
+    _pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _reset_postgres(url: str) -> None:
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("DROP SCHEMA public CASCADE")
+        conn.execute("CREATE SCHEMA public")
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def empty_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """An empty database on each backend (no schema)."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'test.db'}"
+    url = request.getfixturevalue("postgres_server_url")
+    _reset_postgres(url)
+    return url
+
+
+@pytest.fixture
+def db_url(empty_db_url: str) -> str:
+    """A database on each backend, upgraded to the head revision."""
+    from orchestrator.store import db
+
+    db.upgrade(empty_db_url)
+    return empty_db_url
+
+
+@pytest.fixture
+def settings(tmp_path: Path, db_url: str):  # type: ignore[no-untyped-def]
+    from orchestrator.settings import Settings
+
+    return Settings(home=tmp_path / "home", database_url=db_url)
+
+
+@pytest.fixture
+def app(settings):  # type: ignore[no-untyped-def]
+    from orchestrator.api.app import create_app
+
+    application = create_app(settings)
+    yield application
+    application.state.engine.dispose()
+
+
+@pytest.fixture
+def client(app):  # type: ignore[no-untyped-def]
+    from fastapi.testclient import TestClient
+
+    with TestClient(app) as c:
+        c.headers["Authorization"] = f"Bearer {app.state.token}"
+        yield c
+
+
+def job_spec(**overrides):  # type: ignore[no-untyped-def]
+    """A valid job spec document; keyword arguments replace top-level fields."""
+    doc = {
+        "name": "gpt-small",
+        "task": {"template": "gpt-cpu", "command": "python -m training.examples.train_gpt"},
+        "num_nodes": 2,
+        "min_nodes": 1,
+        "ranks_per_node": 2,
+        "accelerators": ["A100:8", "nvidia:40GB+:8"],
+        "spot": True,
+        "clouds": ["aws", "gcp"],
+        "regions": ["us-east-1"],
+        "checkpoint": {"uri": "file:///tmp/skyresume-ckpt", "every_steps": 50, "keep": 2},
+    }
+    doc.update(overrides)
+    return doc
