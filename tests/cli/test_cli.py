@@ -1,0 +1,153 @@
+"""The operator CLI against a real `skyresume serve` on an ephemeral port."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from conftest import job_spec
+
+SKYRESUME = [sys.executable, "-m", "orchestrator.cli"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def service(tmp_path: Path, request: pytest.FixtureRequest):
+    """`skyresume serve` on SQLite (auto-migrated) or a migrated PostgreSQL database."""
+    port = _free_port()
+    env = {**os.environ, "SKYRESUME_HOME": str(tmp_path / "home"), "SKYRESUME_PORT": str(port)}
+    env.pop("SKYRESUME_TOKEN", None)
+    if getattr(request, "param", "sqlite") == "postgres":
+        url = request.getfixturevalue("db_url_postgres")
+        env["SKYRESUME_DATABASE_URL"] = url
+    proc = subprocess.Popen([*SKYRESUME, "serve"], env=env, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+        if proc.poll() is not None:
+            pytest.fail(f"serve exited: {proc.stderr.read()}")
+    else:
+        proc.kill()
+        pytest.fail("serve did not become ready in 30 s")
+    yield env
+    proc.terminate()
+    proc.wait(timeout=15)
+
+
+@pytest.fixture
+def db_url_postgres(postgres_server_url):
+    from conftest import _reset_postgres
+    from orchestrator.store import db
+
+    _reset_postgres(postgres_server_url)
+    db.upgrade(postgres_server_url)
+    return postgres_server_url
+
+
+def run(env, *args: str, input_: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*SKYRESUME, *args], env=env, capture_output=True, text=True,
+                          timeout=60, input=input_)
+
+
+def _spec_file(tmp_path: Path, **overrides) -> str:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job_spec(**overrides)))
+    return str(path)
+
+
+@pytest.mark.parametrize("service", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)],
+                         indirect=True)
+def test_submit_list_show_events_cancel_round_trip(service, tmp_path):
+    out = run(service, "submit", _spec_file(tmp_path), "-o", "json")
+    assert out.returncode == 0, out.stderr
+    job_id = json.loads(out.stdout)["id"]
+
+    listed = json.loads(run(service, "jobs", "-o", "json").stdout)
+    assert [j["id"] for j in listed["items"]] == [job_id]
+    assert job_id in run(service, "jobs").stdout
+
+    shown = json.loads(run(service, "show", job_id, "-o", "json").stdout)
+    assert shown["status"] == "PENDING"
+
+    token = (Path(service["SKYRESUME_HOME"]) / "token").read_text().strip()
+    base = f"http://127.0.0.1:{service['SKYRESUME_PORT']}"
+    httpx.post(f"{base}/v1/jobs/{job_id}/events", headers={"Authorization": f"Bearer {token}"},
+               json={"idempotency_key": "n0:1", "kind": "preemption_notice", "node_id": "n0"})
+    events = json.loads(run(service, "events", job_id, "-o", "json").stdout)
+    assert [e["kind"] for e in events["items"]] == ["preemption_notice"]
+
+    assert run(service, "cancel", job_id).returncode == 0
+    again = run(service, "cancel", job_id)
+    assert again.returncode == 2 and again.stderr.startswith("error: illegal transition")
+    # --follow ends by itself once the job is terminal and nothing new arrives.
+    followed = run(service, "events", job_id, "--follow", "-o", "json", "--interval", "0.2")
+    assert followed.returncode == 0 and len(followed.stdout.strip().splitlines()) == 1
+
+
+def test_bad_spec_is_one_line_error_and_nothing_stored(service, tmp_path):
+    out = run(service, "submit", _spec_file(tmp_path, num_nodes=-3, surprise=True))
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+    assert "num_nodes" in out.stderr and "surprise: unknown field" in out.stderr
+    assert json.loads(run(service, "jobs", "-o", "json").stdout)["total"] == 0
+
+
+def test_missing_file_is_a_clear_error(service, tmp_path):
+    out = run(service, "submit", str(tmp_path / "nope.yaml"))
+    assert out.returncode == 2 and "cannot read" in out.stderr and "No such file" in out.stderr
+
+
+def test_wrong_token_is_a_clear_error(service):
+    out = run({**service, "SKYRESUME_TOKEN": "not-the-token"}, "jobs")
+    assert out.returncode == 1
+    assert out.stderr.startswith("error: the service rejected the token")
+    assert "Traceback" not in out.stderr
+
+
+def test_unknown_status_filter_is_a_clear_error(service):
+    out = run(service, "jobs", "--status", "sleeping")
+    assert out.returncode == 2 and "unknown status 'sleeping'" in out.stderr
+
+
+def test_unreachable_service_is_a_clear_error(tmp_path):
+    env = {**os.environ, "SKYRESUME_HOME": str(tmp_path), "SKYRESUME_PORT": str(_free_port())}
+    out = run(env, "jobs")
+    assert out.returncode == 1
+    assert out.stderr.startswith("error: cannot reach the skyresume service")
+    assert "Traceback" not in out.stderr
+
+
+def test_db_upgrade_current_and_downgrade(tmp_path):
+    env = {**os.environ, "SKYRESUME_HOME": str(tmp_path)}
+    url = f"sqlite:///{tmp_path}/cli.db"
+    up = run(env, "db", "upgrade", "--db-url", url)
+    assert up.returncode == 0 and "revision 0001" in up.stdout
+    assert run(env, "db", "current", "--db-url", url).stdout.strip() == "0001"
+    down = run(env, "db", "downgrade", "base", "--db-url", url)
+    assert down.returncode == 0 and "base" in down.stdout
+
+
+def test_db_upgrade_on_unreachable_database_is_a_clear_error(tmp_path):
+    env = {**os.environ, "SKYRESUME_HOME": str(tmp_path)}
+    out = run(env, "db", "upgrade", "--db-url", "postgresql://nobody:secret@127.0.0.1:1/x")
+    assert out.returncode == 1 and out.stderr.startswith("error: upgrade of")
+    assert "secret" not in out.stderr  # passwords never printed
