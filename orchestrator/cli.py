@@ -77,14 +77,16 @@ class Client:
         try:
             r = self.http.request(method, path, **kw)
         except httpx.ConnectError:
-            fail(f"cannot reach the skyresume service at {self.url} (is `skyresume serve` running?)")
+            fail(
+                f"cannot reach the skyresume service at {self.url} (is `skyresume serve` running?)"
+            )
         except httpx.TimeoutException:
             fail(f"the skyresume service at {self.url} did not answer in time")
         except httpx.HTTPError as e:
             fail(f"request to {self.url} failed: {e}")
         if r.status_code == 401:
             hint = "set SKYRESUME_TOKEN" if not self.token else "check SKYRESUME_TOKEN"
-            fail(f"the service rejected the token ({hint}; local mode keeps it in ~/.skyresume/token)")
+            fail(f"the service rejected the token ({hint}; local mode keeps it in <home>/token)")
         if r.status_code >= 400:
             fail(_describe_error(r), 2 if r.status_code in (400, 404, 409, 413, 415, 422) else 1)
         return r.json()
@@ -112,8 +114,12 @@ def _job_table(items: list[dict[str, Any]]) -> Table:
     t = Table("ID", "NAME", "STATUS", "NODES", "RESTARTS", "CREATED", "REASON")
     for j in items:
         t.add_row(
-            j["id"], j["name"], j["status"], str(j["spec"].get("num_nodes", "")),
-            str(j["restart_count"]), j["created_at"][:19].replace("T", " "),
+            j["id"],
+            j["name"],
+            j["status"],
+            str(j["spec"].get("num_nodes", "")),
+            str(j["restart_count"]),
+            j["created_at"][:19].replace("T", " "),
             j.get("status_reason") or "",
         )
     return t
@@ -125,8 +131,13 @@ def _event_rows(t: Table, items: list[dict[str, Any]]) -> None:
         if e.get("rank") is not None:
             where += f" rank {e['rank']}"
         t.add_row(
-            str(e["id"]), e["job_id"], e["occurred_at"][:19].replace("T", " "), e["kind"],
-            e.get("failure_class") or "", where.strip(), (e.get("message") or "")[:80],
+            str(e["id"]),
+            e["job_id"],
+            e["occurred_at"][:19].replace("T", " "),
+            e["kind"],
+            e.get("failure_class") or "",
+            where.strip(),
+            (e.get("message") or "")[:80],
         )
 
 
@@ -147,8 +158,11 @@ def serve(
     from orchestrator.settings import Settings
     from orchestrator.store import db
 
-    overrides = {k: v for k, v in {"host": host, "port": port, "database_url": db_url}.items()
-                 if v is not None}
+    overrides = {
+        k: v
+        for k, v in {"host": host, "port": port, "database_url": db_url}.items()
+        if v is not None
+    }
     settings = Settings(**overrides)
     url = settings.effective_database_url
     try:
@@ -158,8 +172,10 @@ def serve(
     except Exception as e:
         fail(f"cannot open the database {_redact(url)}: {type(e).__name__}: {e}")
     where = "SKYRESUME_TOKEN" if settings.token else str(settings.token_path)
-    err_console.print(f"skyresume serving on http://{settings.host}:{settings.port} "
-                      f"(database {_redact(url)}; operator token in {where})")
+    err_console.print(
+        f"skyresume serving on http://{settings.host}:{settings.port} "
+        f"(database {_redact(url)}; operator token in {where})"
+    )
     uvicorn.run(app_, host=settings.host, port=settings.port, log_level="warning")
 
 
@@ -233,15 +249,21 @@ def show(job_id: str, output: OutputOpt = Output.table) -> None:
     console.print(_job_table([job]))
     t = Table("AT", "FROM", "TO", "REASON", title="transitions")
     for tr in job["transitions"]:
-        t.add_row(tr["at"][:19].replace("T", " "), tr["from_status"] or "-", tr["to_status"],
-                  tr["reason"] or "")
+        t.add_row(
+            tr["at"][:19].replace("T", " "),
+            tr["from_status"] or "-",
+            tr["to_status"],
+            tr["reason"] or "",
+        )
     console.print(t)
 
 
 @app.command()
 def events(
     job_id: Annotated[str | None, typer.Argument(help="a job id; all jobs when omitted")] = None,
-    follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing new events")] = False,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="keep printing new events")
+    ] = False,
     after: Annotated[int, typer.Option(min=0, help="only events after this id")] = 0,
     interval: Annotated[float, typer.Option(min=0.1, help="--follow poll interval, s")] = 1.0,
     output: OutputOpt = Output.table,

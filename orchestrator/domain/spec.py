@@ -19,7 +19,9 @@ MAX_SPEC_BYTES = 256 * 1024
 
 # "A100:8", "H100-80GB:8", "L4", "tpu-v5e-8"; or memory forms "nvidia:40GB+:8", "80GB:8".
 _ACCEL_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.\-]*(:[1-9][0-9]*)?$")
-_ACCEL_MEMORY = re.compile(r"^((nvidia|amd|google):)?[1-9][0-9]*GB\+?(:[1-9][0-9]*)?$", re.IGNORECASE)
+_ACCEL_MEMORY = re.compile(
+    r"^((nvidia|amd|google):)?[1-9][0-9]*GB\+?(:[1-9][0-9]*)?$", re.IGNORECASE
+)
 _NAME = re.compile(r"^[a-z0-9][a-z0-9\-_.]{0,62}$")
 
 Cloud = Literal["aws", "gcp", "azure", "kubernetes", "lambda", "runpod", "local"]
@@ -175,7 +177,7 @@ class _NoAliasLoader(yaml.SafeLoader):
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
+            event = self.peek_event()  # type: ignore[no-untyped-call]
             line = event.start_mark.line + 1
             raise SpecError([("", f"line {line}: YAML aliases (*{event.anchor}) are not allowed")])
         return super().compose_node(parent, index)
@@ -185,7 +187,7 @@ def load_yaml_document(text: str | bytes, *, what: str = "job spec") -> Any:
     if len(text) > MAX_SPEC_BYTES:
         raise SpecError([("", f"{what} is {len(text)} bytes; the limit is {MAX_SPEC_BYTES}")])
     try:
-        return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader subclass
+        return yaml.load(text, Loader=_NoAliasLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
