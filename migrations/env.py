@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from alembic import context
+
 from orchestrator.store.db import make_engine
 from orchestrator.store.models import Base
 

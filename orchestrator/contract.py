@@ -130,7 +130,9 @@ class Manifest:
         if not isinstance(doc, dict):
             raise ManifestError(f"{source}: expected a JSON object")
         if doc.get("format") != MANIFEST_FORMAT:
-            raise ManifestError(f"{source}: format is {doc.get('format')!r}, want {MANIFEST_FORMAT!r}")
+            raise ManifestError(
+                f"{source}: format is {doc.get('format')!r}, want {MANIFEST_FORMAT!r}"
+            )
         try:
             step = doc["step"]
             world = doc["world_size"]
@@ -156,7 +158,9 @@ class Manifest:
                 or ".." in path.split("/")
                 or path in (MANIFEST_NAME, COMMIT_NAME)
             ):
-                raise ManifestError(f"{source}: files[{i}].path {path!r} is not a safe relative path")
+                raise ManifestError(
+                    f"{source}: files[{i}].path {path!r} is not a safe relative path"
+                )
             if not isinstance(size, int) or size < 0:
                 raise ManifestError(f"{source}: files[{i}].size must be >= 0, got {size!r}")
             if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
@@ -178,7 +182,9 @@ def check_commit(commit_bytes: bytes, manifest_bytes: bytes, *, source: str = "C
     """Raise ManifestError unless the COMMIT marker names exactly this manifest."""
     want = commit_marker(manifest_bytes)
     if commit_bytes != want:
-        raise ManifestError(f"{source}: does not match the manifest's digest (torn or foreign commit)")
+        raise ManifestError(
+            f"{source}: does not match the manifest's digest (torn or foreign commit)"
+        )
 
 
 # --- progress channel (rank -> agent, UDP datagrams on loopback) ---------------------

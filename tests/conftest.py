@@ -15,9 +15,7 @@ from pathlib import Path
 
 import pytest
 
-PG_BASE = os.environ.get(
-    "SKYRESUME_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
-)
+PG_BASE = os.environ.get("SKYRESUME_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 
 
 def _pg_admin(sql: str) -> None:

@@ -8,7 +8,9 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 # SQLite hands back naive datetimes; everything stored is UTC, so say so on the wire.
-UtcDatetime = Annotated[datetime, AfterValidator(lambda d: d if d.tzinfo else d.replace(tzinfo=UTC))]
+UtcDatetime = Annotated[
+    datetime, AfterValidator(lambda d: d if d.tzinfo else d.replace(tzinfo=UTC))
+]
 
 
 class TransitionOut(BaseModel):

@@ -54,8 +54,11 @@ def create_job(session: Session, spec: JobSpec, *, now: datetime | None = None) 
         updated_at=now,
     )
     session.add(job)
-    session.add(JobTransition(job_id=job.id, from_status=None, to_status=JobStatus.PENDING,
-                              reason="submitted", at=now))
+    session.add(
+        JobTransition(
+            job_id=job.id, from_status=None, to_status=JobStatus.PENDING, reason="submitted", at=now
+        )
+    )
     session.flush()
     return job
 
@@ -105,8 +108,9 @@ def set_status(
     job.status = target
     job.status_reason = reason
     job.updated_at = now
-    session.add(JobTransition(job_id=job_id, from_status=current, to_status=target,
-                              reason=reason, at=now))
+    session.add(
+        JobTransition(job_id=job_id, from_status=current, to_status=target, reason=reason, at=now)
+    )
     session.flush()
     return job
 

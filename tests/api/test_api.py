@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import yaml
-
 from conftest import job_spec
+
 from orchestrator.domain.status import JobStatus
 from orchestrator.store import repo
 
@@ -30,8 +30,9 @@ def test_submitted_job_is_pending_with_its_spec(client):
 
 
 def test_yaml_body_is_accepted(client):
-    r = client.post("/v1/jobs", content=yaml.safe_dump(job_spec()),
-                    headers={"content-type": "application/yaml"})
+    r = client.post(
+        "/v1/jobs", content=yaml.safe_dump(job_spec()), headers={"content-type": "application/yaml"}
+    )
     assert r.status_code == 201, r.text
 
 
@@ -56,7 +57,9 @@ def test_unreadable_json_is_422(client):
 
 
 def test_oversized_body_is_413(client):
-    r = client.post("/v1/jobs", content=b"x" * 300_000, headers={"content-type": "application/yaml"})
+    r = client.post(
+        "/v1/jobs", content=b"x" * 300_000, headers={"content-type": "application/yaml"}
+    )
     assert r.status_code == 413
 
 
@@ -101,8 +104,12 @@ def test_unknown_job_is_404(client):
 
 def test_posting_an_event_twice_with_one_key_stores_it_once(client):
     job = _submit(client)
-    body = {"idempotency_key": "node-0:notice-1", "kind": "preemption_notice",
-            "node_id": "node-0", "details": {"provider": "aws"}}
+    body = {
+        "idempotency_key": "node-0:notice-1",
+        "kind": "preemption_notice",
+        "node_id": "node-0",
+        "details": {"provider": "aws"},
+    }
     first = client.post(f"/v1/jobs/{job['id']}/events", json=body)
     second = client.post(f"/v1/jobs/{job['id']}/events", json={**body, "message": "changed"})
     assert (first.status_code, second.status_code) == (201, 200)

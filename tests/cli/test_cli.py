@@ -13,7 +13,6 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-
 from conftest import job_spec
 
 SKYRESUME = [sys.executable, "-m", "orchestrator.cli"]
@@ -56,6 +55,7 @@ def service(tmp_path: Path, request: pytest.FixtureRequest):
 @pytest.fixture
 def db_url_postgres(postgres_server_url):
     from conftest import _reset_postgres
+
     from orchestrator.store import db
 
     _reset_postgres(postgres_server_url)
@@ -64,8 +64,9 @@ def db_url_postgres(postgres_server_url):
 
 
 def run(env, *args: str, input_: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*SKYRESUME, *args], env=env, capture_output=True, text=True,
-                          timeout=60, input=input_)
+    return subprocess.run(
+        [*SKYRESUME, *args], env=env, capture_output=True, text=True, timeout=60, input=input_
+    )
 
 
 def _spec_file(tmp_path: Path, **overrides) -> str:
@@ -74,8 +75,9 @@ def _spec_file(tmp_path: Path, **overrides) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("service", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)],
-                         indirect=True)
+@pytest.mark.parametrize(
+    "service", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
 def test_submit_list_show_events_cancel_round_trip(service, tmp_path):
     out = run(service, "submit", _spec_file(tmp_path), "-o", "json")
     assert out.returncode == 0, out.stderr
@@ -90,8 +92,11 @@ def test_submit_list_show_events_cancel_round_trip(service, tmp_path):
 
     token = (Path(service["SKYRESUME_HOME"]) / "token").read_text().strip()
     base = f"http://127.0.0.1:{service['SKYRESUME_PORT']}"
-    httpx.post(f"{base}/v1/jobs/{job_id}/events", headers={"Authorization": f"Bearer {token}"},
-               json={"idempotency_key": "n0:1", "kind": "preemption_notice", "node_id": "n0"})
+    httpx.post(
+        f"{base}/v1/jobs/{job_id}/events",
+        headers={"Authorization": f"Bearer {token}"},
+        json={"idempotency_key": "n0:1", "kind": "preemption_notice", "node_id": "n0"},
+    )
     events = json.loads(run(service, "events", job_id, "-o", "json").stdout)
     assert [e["kind"] for e in events["items"]] == ["preemption_notice"]
 

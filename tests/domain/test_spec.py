@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import yaml
-
 from conftest import job_spec
+
 from orchestrator.domain.spec import (
     MAX_SPEC_BYTES,
     SpecError,
@@ -39,15 +39,21 @@ BAD = [
     ("relative_file_uri", {"checkpoint": {"uri": "file://rel/path"}}, "checkpoint.uri", "absolute"),
     ("missing_bucket", {"checkpoint": {"uri": "s3://"}}, "checkpoint.uri", "bucket"),
     ("keep_one", {"checkpoint": {"uri": "file:///c", "keep": 1}}, "checkpoint.keep", "2"),
-    ("two_task_sources", {"task": {"template": "t", "skypilot_yaml": "x.yaml", "command": "c"}},
-     "task", "exactly one"),
+    (
+        "two_task_sources",
+        {"task": {"template": "t", "skypilot_yaml": "x.yaml", "command": "c"}},
+        "task",
+        "exactly one",
+    ),
     ("template_without_command", {"task": {"template": "t"}}, "task", "needs a command"),
     ("bad_name", {"name": "Has Spaces"}, "name", "lower-case"),
     ("wrong_type", {"spot": "maybe"}, "spot", "boolean"),
 ]
 
 
-@pytest.mark.parametrize(("overrides", "field", "reason"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+@pytest.mark.parametrize(
+    ("overrides", "field", "reason"), [b[1:] for b in BAD], ids=[b[0] for b in BAD]
+)
 def test_invalid_spec_error_names_field_and_reason(overrides, field, reason):
     with pytest.raises(SpecError) as info:
         validate_job_spec(job_spec(**overrides))
@@ -80,7 +86,9 @@ def test_oversized_document_is_refused():
         parse_job_spec_yaml("# " + "x" * MAX_SPEC_BYTES)
 
 
-@pytest.mark.parametrize("doc", ["just a string", "[1, 2]", "42", ""], ids=["str", "list", "int", "empty"])
+@pytest.mark.parametrize(
+    "doc", ["just a string", "[1, 2]", "42", ""], ids=["str", "list", "int", "empty"]
+)
 def test_non_mapping_document_is_refused(doc):
     with pytest.raises(SpecError, match="must be a mapping"):
         parse_job_spec_yaml(doc)
