@@ -1,0 +1,381 @@
+"""Failure taxonomy and a pure classifier.
+
+Every failure the service sees becomes one :class:`FailureClass`, because each class
+has its own recovery (see :mod:`orchestrator.domain.policy`): one response for every
+failure either pays too much for rare events or has no path for common ones.
+
+The classifier weighs evidence in this order, strongest first:
+
+1. a cloud preemption notice (the root cause; NCCL timeouts on survivors follow it);
+2. an exit code from :class:`orchestrator.contract.ExitCode` (a rank said why it stopped);
+3. the agent's report (missed heartbeats, health checks, stragglers, launch errors);
+4. the tail of each rank's log, matched against real PyTorch / NCCL / CUDA / torchrun /
+   kernel text. When several classes match, the one with the highest confidence wins:
+   root causes (GPU hardware, OOM) are scored above their collateral symptoms (NCCL
+   watchdog timeouts on the *other* ranks), so a hung collective after an OOM is an OOM.
+5. the signal alone (a bare SIGKILL is most often the kernel OOM killer).
+
+Pure: no I/O. The caller reads logs and passes text in.
+"""
+
+from __future__ import annotations
+
+import re
+import signal as _signal
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from orchestrator.contract import ExitCode
+
+
+class FailureClass(StrEnum):
+    PREEMPTION_NOTICE = "preemption_notice"  # the cloud announced a reclaim
+    NODE_LOST = "node_lost"  # a node vanished: heartbeats stopped, host unreachable
+    NCCL_TIMEOUT = "nccl_timeout"  # a collective hung past the watchdog timeout
+    NCCL_TRANSPORT = "nccl_transport"  # IB/socket errors inside NCCL (often transient)
+    RENDEZVOUS_FAILURE = "rendezvous_failure"  # torchrun/c10d could not form the group
+    SLOW_PEER = "slow_peer"  # a straggler holds every rank back
+    CUDA_OOM = "cuda_oom"  # the GPU allocator ran out of device memory
+    HOST_OOM_KILLED = "host_oom_killed"  # the kernel OOM killer SIGKILLed a rank
+    GPU_HARDWARE = "gpu_hardware"  # ECC, Xid, fallen off the bus
+    NAN_DIVERGENCE = "nan_divergence"  # loss or gradients went NaN/Inf
+    SILENT_CORRUPTION = "silent_corruption"  # results drifted without any error
+    CHECKPOINT_IO = "checkpoint_io"  # save/load failed or loaded state is unusable
+    HEALTH_CHECK_FAILED = "health_check_failed"  # pre-flight / periodic node check failed
+    CAPACITY_UNAVAILABLE = "capacity_unavailable"  # the cloud had no instances to give
+    USER_CODE_ERROR = "user_code_error"  # a Python exception in the user's script
+    UNKNOWN = "unknown"  # nothing recognisable; restart limits bound the retries
+
+
+_F = FailureClass
+
+#: Whether another attempt can succeed. Only a bug in the user's code cannot be fixed by
+#: retrying (the policy still fails fast after repeats of other classes via limits).
+RETRYABLE: dict[FailureClass, bool] = {c: c is not _F.USER_CODE_ERROR for c in FailureClass}
+
+
+@dataclass(frozen=True)
+class Classification:
+    failure_class: FailureClass
+    retryable: bool
+    confidence: float
+    """0..1: how sure the classifier is; below ~0.5 treat the class as a guess."""
+    evidence: tuple[str, ...]
+    """The input lines (or synthetic facts such as ``exit code 76``) the class rests on."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.confidence <= 1.0:
+            raise ValueError(f"confidence must be within 0..1, got {self.confidence}")
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {
+            "class": str(self.failure_class),
+            "retryable": self.retryable,
+            "confidence": round(self.confidence, 3),
+            "evidence": list(self.evidence),
+        }
+
+
+@dataclass(frozen=True)
+class _Rule:
+    failure_class: FailureClass
+    pattern: re.Pattern[str]
+    confidence: float
+
+
+def _r(cls: FailureClass, confidence: float, *patterns: str) -> list[_Rule]:
+    return [_Rule(cls, re.compile(p, re.IGNORECASE), confidence) for p in patterns]
+
+
+# Scores: root causes > their symptoms. A CUDA OOM or Xid on one rank leaves every
+# other rank in a hung collective, so OOM/hardware must outrank the watchdog timeout.
+_RULES: tuple[_Rule, ...] = tuple(
+    _r(
+        _F.GPU_HARDWARE,
+        0.97,
+        r"uncorrectable ECC error",
+        r"\bXid\b.*?\b(48|61|62|63|64|74|79|92|94|95|119|120|140)\b",
+        r"fallen off the bus",
+        r"cudaErrorECCUncorrectable",
+        r"GPU is lost",
+        r"NVLink.*(fatal|error)",
+    )
+    + _r(_F.GPU_HARDWARE, 0.75, r"an illegal memory access was encountered")
+    + _r(_F.GPU_HARDWARE, 0.7, r"unspecified launch failure", r"\bXid\b")
+    + _r(
+        _F.HOST_OOM_KILLED,
+        0.96,
+        r"Out of memory: Kill(ed)? process",
+        r"oom-kill:",
+        r"invoked oom-killer",
+        r"OOMKilled",
+        r"Memory cgroup out of memory",
+    )
+    + _r(
+        _F.HOST_OOM_KILLED,
+        0.6,
+        r"exitcode\s*:\s*-9\b",
+        r"Signal 9 \(SIGKILL\)",
+        r"killed by signal: Killed",
+    )
+    + _r(
+        _F.CUDA_OOM,
+        0.95,
+        r"CUDA out of memory",
+        r"OutOfMemoryError",
+        r"CUBLAS_STATUS_ALLOC_FAILED",
+        r"cudaErrorMemoryAllocation",
+        r"NCCL WARN Cuda failure 'out of memory'",
+    )
+    + _r(
+        _F.NAN_DIVERGENCE,
+        0.92,
+        r"loss is nan",
+        r"loss is inf",
+        r"\bnan (loss|detected)",
+        r"returned nan values",
+        r"Minimum loss scale reached",
+        r"found NaN in",
+        r"(inf|nan) (values )?(in|or (inf|nan) (values )?in) (the )?grad",
+        r"grad(ient)?[ _]norm (is )?(nan|inf)",
+        r"non-finite (loss|gradient)",
+    )
+    + _r(
+        _F.SILENT_CORRUPTION,
+        0.9,
+        r"silent (data )?corruption",
+        r"\bSDC\b.*detected",
+        r"reference forward (pass )?drift",
+        r"checksum mismatch across",
+        r"(parameters|weights) (differ|diverged) across",
+    )
+    + _r(
+        _F.CHECKPOINT_IO,
+        0.88,
+        r"PytorchStreamReader failed",
+        r"CheckpointException",
+        r"No space left on device",
+        r"unexpected EOF, expected \d+ more bytes",
+        r"failed finding central directory",
+        r"checkpoint (is )?(partial|corrupt|invalid|incomplete)",
+        r"Error\(s\) in loading state_dict",
+        r"resume mismatch",
+        r"\(SlowDown\)",
+        r"Disk quota exceeded",
+    )
+    + _r(
+        _F.NCCL_TIMEOUT,
+        0.9,
+        r"Watchdog caught collective operation timeout",
+        r"ran for \d+ milliseconds before timing out",
+        r"Timed out waiting \d+ms for (recv|send) operation",
+        r"collective operation timeout",
+        r"NCCL timeout",
+    )
+    + _r(_F.NCCL_TIMEOUT, 0.5, r"Some NCCL operations have failed or timed out")
+    + _r(
+        _F.NCCL_TRANSPORT,
+        0.9,
+        r"NCCL WARN NET/IB",
+        r"NET/IB\w* ?: Got completion from peer",
+        r"ncclRemoteError",
+        r"remote process exited or there was a network error",
+        r"ncclSystemError",
+        r"NCCL WARN (Net|socket\w*) ?:",
+        r"ibv_\w+ failed",
+        r"NCCL WARN Call to (connect|recv|send)",
+        r"unhandled system error",
+        r"NCCL error.*(network|socket|Connection)",
+    )
+    + _r(
+        _F.RENDEZVOUS_FAILURE,
+        0.88,
+        r"Rendezvous(Timeout|Closed|Connection|State)Error",
+        r"The connection to the C10d store has failed",
+        r"client socket has timed out after \d+s? while trying to connect",
+        r"Socket Timeout.*(store|rendezvous)",
+        r"rendezvous.*(timed out|failed)",
+        r"DistStoreError",
+        r"EADDRINUSE|address already in use",
+    )
+    + _r(
+        _F.SLOW_PEER,
+        0.8,
+        r"straggler",
+        r"rank \d+ is (a )?slow",
+        r"slow (rank|peer|node)",
+        r"throughput (dropped|degraded)",
+    )
+    + _r(
+        _F.HEALTH_CHECK_FAILED,
+        0.85,
+        r"health ?check failed",
+        r"NVIDIA-SMI has failed",
+        r"No CUDA GPUs are available",
+        r"dcgmi diag.*fail",
+        r"CUDA driver initialization failed",
+        r"Found no NVIDIA driver",
+        r"GPU count mismatch",
+    )
+    + _r(
+        _F.CAPACITY_UNAVAILABLE,
+        0.9,
+        r"InsufficientInstanceCapacity",
+        r"ZONE_RESOURCE_POOL_EXHAUSTED",
+        r"do(es)? not have (sufficient|enough) .*capacity",
+        r"do(es)? not have enough resources available",
+        r"SkuNotAvailable|AllocationFailed",
+        r"Failed to provision all possible launchable resources",
+        r"ResourcesUnavailableError",
+        r"SpotMaxPriceTooLow|InsufficientCapacity",
+        r"QUOTA_EXCEEDED|exceeds? (your )?quota",
+    )
+    + _r(
+        _F.NODE_LOST,
+        0.8,
+        r"heartbeat (missed|lost|timed out)",
+        r"No route to host",
+        r"Host is down",
+        r"closed by remote host",
+        r"node .* (is )?(unreachable|lost|terminated)",
+        r"ClusterNotUpError",
+        r"instance (was )?(terminated|stopped) (by|unexpectedly)",
+    )
+)
+
+#: Deliberate exit codes from the training library. They outrank log text: the rank
+#: itself decided why it stopped.
+_EXIT_CODES: dict[int, FailureClass] = {
+    ExitCode.PREEMPTED_SAVED: _F.PREEMPTION_NOTICE,
+    ExitCode.NAN_DETECTED: _F.NAN_DIVERGENCE,
+    ExitCode.RESUME_MISMATCH: _F.CHECKPOINT_IO,
+    ExitCode.CHECKPOINT_INVALID: _F.CHECKPOINT_IO,
+    ExitCode.SILENT_CORRUPTION: _F.SILENT_CORRUPTION,
+}
+
+#: Events the node agent reports (``agent_report["event"]``).
+_AGENT_EVENTS: dict[str, FailureClass] = {
+    "heartbeat_missed": _F.NODE_LOST,
+    "node_lost": _F.NODE_LOST,
+    "health_check_failed": _F.HEALTH_CHECK_FAILED,
+    "straggler": _F.SLOW_PEER,
+    "slow_peer": _F.SLOW_PEER,
+    "no_capacity": _F.CAPACITY_UNAVAILABLE,
+    "launch_failed_capacity": _F.CAPACITY_UNAVAILABLE,
+    "anomaly_nan": _F.NAN_DIVERGENCE,
+    "anomaly_sdc": _F.SILENT_CORRUPTION,
+}
+
+# Names from the platform's table (SIGKILL, SIGABRT...); numbers are Linux's, which is
+# where ranks run.
+_SIGNALS: dict[str, int] = {s.name: int(s) for s in _signal.Signals}
+
+_TRACEBACK = re.compile(r"Traceback \(most recent call last\)")
+# The last exception line of a Python traceback, optionally prefixed by torchrun's
+# "[rankN]: " tag. torchrun's own wrapper (ChildFailedError) is not the user's error.
+_EXC_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt))\b")
+_WRAPPERS = ("ChildFailedError", "ProcessExitedException", "SignalException")
+
+_MAX_EVIDENCE = 3
+
+
+def _parse_signal(signal: int | str | None) -> int | None:
+    if signal is None:
+        return None
+    if isinstance(signal, int):
+        return abs(signal)
+    s = signal.strip().upper()
+    if s.lstrip("-").isdigit():
+        return abs(int(s))
+    if s in _SIGNALS:
+        return _SIGNALS[s]
+    raise ValueError(f"unknown signal {signal!r}: use a number or SIGKILL/SIGTERM")
+
+
+def _scan(lines: list[str]) -> Classification | None:
+    best: dict[FailureClass, tuple[float, list[str]]] = {}
+    for line in lines:
+        for rule in _RULES:
+            if rule.pattern.search(line):
+                conf, ev = best.get(rule.failure_class, (0.0, []))
+                if line not in ev:
+                    ev.append(line)
+                best[rule.failure_class] = (max(conf, rule.confidence), ev)
+                break  # one rule per line: rules are ordered strongest first
+    if not best:
+        return None
+    order = list(FailureClass)
+    cls, (conf, ev) = max(best.items(), key=lambda kv: (kv[1][0], -order.index(kv[0])))
+    # Several matching lines of the same class make it a little surer.
+    conf = min(1.0, conf + 0.01 * (len(ev) - 1))
+    return Classification(cls, RETRYABLE[cls], conf, tuple(ev[-_MAX_EVIDENCE:]))
+
+
+def _user_exception(lines: list[str]) -> Classification | None:
+    if not any(_TRACEBACK.search(line) for line in lines):
+        return None
+    for line in reversed(lines):
+        m = _EXC_LINE.match(line.strip())
+        if m and not any(w in m.group(1) for w in _WRAPPERS):
+            return Classification(_F.USER_CODE_ERROR, False, 0.7, (line,))
+    return None
+
+
+def classify_failure(
+    exit_code: int | None,
+    signal: int | str | None,
+    log_tail: str,
+    notice_kind: str | None = None,
+    agent_report: dict[str, Any] | None = None,
+) -> Classification:
+    """Classify one failure from everything known about it. Pure.
+
+    ``log_tail`` is the concatenated tail of each rank's log (and the kernel log when
+    the agent has it). ``notice_kind`` is the metadata notice (``terminate``, ``stop``,
+    ``preempt``...) when one arrived. ``agent_report`` may carry ``event`` (one of
+    ``heartbeat_missed``, ``health_check_failed``, ``straggler``, ``no_capacity``...)
+    and ``message`` (free text scanned like the log).
+    """
+    sig = _parse_signal(signal)
+    if exit_code is not None and exit_code > 128 and sig is None and exit_code - 128 < 65:
+        sig = exit_code - 128  # shells report death by signal N as 128+N
+    if exit_code is not None and exit_code < 0 and sig is None:
+        sig = -exit_code  # torchrun/multiprocessing report -N
+
+    if notice_kind:
+        return Classification(
+            _F.PREEMPTION_NOTICE, True, 0.98, (f"preemption notice: {notice_kind}",)
+        )
+    if exit_code is not None and exit_code in _EXIT_CODES:
+        cls = _EXIT_CODES[exit_code]
+        name = ExitCode(exit_code).name
+        return Classification(cls, RETRYABLE[cls], 0.95, (f"exit code {exit_code} ({name})",))
+
+    report = agent_report or {}
+    event = report.get("event")
+    lines = [ln.rstrip() for ln in log_tail.splitlines() if ln.strip()]
+    message = report.get("message")
+    if isinstance(message, str) and message.strip():
+        lines.append(message.strip())
+
+    scanned = _scan(lines)
+    if isinstance(event, str) and event in _AGENT_EVENTS:
+        cls = _AGENT_EVENTS[event]
+        # A log line that names a stronger root cause wins over the agent's view
+        # (e.g. heartbeats stop because the kernel OOM-killed the rank).
+        if scanned is None or scanned.confidence < 0.9 or scanned.failure_class is cls:
+            ev = (f"agent: {event}",) + (scanned.evidence if scanned else ())
+            return Classification(cls, RETRYABLE[cls], 0.9, ev[:_MAX_EVIDENCE])
+    if scanned is not None:
+        return scanned
+    user = _user_exception(lines)
+    if user is not None:
+        return user
+    if sig == 9:
+        return Classification(_F.HOST_OOM_KILLED, True, 0.4, ("killed by SIGKILL (signal 9)",))
+    if sig == 15:
+        # SIGTERM without a notice: someone stopped the node; treat it as lost.
+        return Classification(_F.NODE_LOST, True, 0.4, ("terminated by SIGTERM (signal 15)",))
+    ev = (lines[-1],) if lines else ()
+    return Classification(_F.UNKNOWN, RETRYABLE[_F.UNKNOWN], 0.1, ev)

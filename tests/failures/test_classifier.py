@@ -1,0 +1,641 @@
+"""The classifier on labelled excerpts of real log text.
+
+Excerpts are trimmed from public issue threads (URL in the comment above each group;
+hostnames, pids and sizes shortened). Each case: (id, log, exit code, signal, class).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.contract import ExitCode
+from orchestrator.domain.failures import Classification, FailureClass, classify_failure
+
+F = FailureClass
+
+CASES: list[tuple[str, str, int | None, int | str | None, FailureClass]] = [
+    # --- nccl_timeout ---
+    # https://github.com/hiyouga/LlamaFactory/issues/7396
+    (
+        "watchdog-allreduce-600s",
+        "[rank0]:[E321 02:07:08.408271257 ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog caught "
+        "collective operation timeout: WorkNCCL(SeqNum=1580, OpType=ALLREDUCE, "
+        "NumelIn=466119168, NumelOut=466119168, Timeout(ms)=600000) ran for 600060 "
+        "milliseconds before timing out.",
+        None,
+        None,
+        F.NCCL_TIMEOUT,
+    ),
+    # https://github.com/hiyouga/LlamaFactory/issues/6269
+    (
+        "watchdog-reduce-scatter",
+        "[rank4]:[E1206 18:44:12.755262105 ProcessGroupNCCL.cpp:607] [Rank 4] Watchdog caught "
+        "collective operation timeout: WorkNCCL(SeqNum=7753, OpType=_REDUCE_SCATTER_BASE, "
+        "NumelIn=544997376, NumelOut=68124672, Timeout(ms)=600000) ran for 600099 "
+        "milliseconds before timing out.",
+        -6,
+        None,
+        F.NCCL_TIMEOUT,
+    ),
+    # https://github.com/OFA-Sys/OFA/issues/271
+    (
+        "watchdog-old-format-30min",
+        "[E ProcessGroupNCCL.cpp:737] [Rank 1] Watchdog caught collective operation timeout: "
+        "WorkNCCL(SeqNum=469508, OpType=ALLREDUCE, Timeout(ms)=1800000) ran for 1802212 "
+        "milliseconds before timing out.",
+        None,
+        None,
+        F.NCCL_TIMEOUT,
+    ),
+    # https://github.com/sgl-project/sglang/issues/1693
+    (
+        "watchdog-terminate-called",
+        "terminate called after throwing an instance of 'c10::DistBackendError'\n"
+        "  what():  [PG 3 Rank 5] Process group watchdog thread terminated with exception: "
+        "[Rank 5] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9141, "
+        "OpType=_ALLGATHER_BASE, NumelIn=19008, NumelOut=152064, Timeout(ms)=600000) ran for "
+        "600020 milliseconds before timing out.",
+        None,
+        "SIGABRT",
+        F.NCCL_TIMEOUT,
+    ),
+    # https://github.com/meta-pytorch/torchtune/issues/2676 (gloo barrier)
+    (
+        "gloo-recv-timeout",
+        "[rank2]:     work.wait()\n"
+        "[rank2]: RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/"
+        "unbound_buffer.cc:81] Timed out waiting 1800000ms for recv operation to complete",
+        1,
+        None,
+        F.NCCL_TIMEOUT,
+    ),
+    # --- nccl_transport ---
+    # https://github.com/tatsu-lab/stanford_alpaca/issues/207
+    (
+        "ncclremoteerror-ib-err12",
+        "what(): NCCL error: remote process exited or there was a network error, NCCL version "
+        "2.14.3 ncclRemoteError: A call failed possibly due to a network error or a remote "
+        "process exiting prematurely. Last error: NET/IB : Got completion from peer "
+        "11.214.147.122<39138> with error 12, opcode 0, len 0, vendor err 129",
+        None,
+        None,
+        F.NCCL_TRANSPORT,
+    ),
+    # https://github.com/NVIDIA/nccl-tests/issues/252
+    (
+        "net-ib-completion-error-4",
+        "node2:25146:25854 [0] ib_plugin.c:1105 NCCL WARN NET/IB : Got completion from peer "
+        "10.0.35.1<49189> with error 4, opcode 5327, len 5327, vendor err 81 (Send)\n"
+        "node2:25146:25854 [0] NCCL INFO transport/net.cc:1137 -> 6",
+        None,
+        None,
+        F.NCCL_TRANSPORT,
+    ),
+    # https://github.com/NVIDIA/nccl/issues/795
+    (
+        "socket-broken-pipe",
+        "a100-22:183006:183220 [1] misc/socket.cc:518 NCCL WARN Net : Call to recv from "
+        "10.200.84.247<58355> failed : Broken pipe\n"
+        "a100-22:183006:183220 [1] NCCL INFO misc/socket.cc:535 -> 6",
+        None,
+        None,
+        F.NCCL_TRANSPORT,
+    ),
+    # https://github.com/NVIDIA/nccl-tests/issues/185
+    (
+        "ibv-modify-qp-unreachable",
+        "dgxh100-3:225140:225355 [0] misc/ibvwrap.cc:187 NCCL WARN Call to ibv_modify_qp "
+        "failed with error Network is unreachable",
+        None,
+        None,
+        F.NCCL_TRANSPORT,
+    ),
+    # https://github.com/NVIDIA/nccl/issues/2076
+    (
+        "distbackenderror-connection-reset",
+        "torch.distributed.DistBackendError: NCCL error in: /pytorch/torch/csrc/distributed/"
+        "c10d/NCCLUtils.hpp:268, remote process exited or there was a network error, NCCL "
+        "version 2.21.5\nncclRemoteError: A call failed possibly due to a network error or a "
+        "remote process exiting prematurely.\nLast error:\nsocketProgressOpt: Call to recv "
+        "from 172.16.0.3<33759> failed : Connection reset by peer",
+        1,
+        None,
+        F.NCCL_TRANSPORT,
+    ),
+    # --- rendezvous_failure ---
+    # https://github.com/facebookresearch/av_hubert/issues/19
+    (
+        "rendezvous-timeout-json",
+        "ERROR:torch.distributed.elastic.multiprocessing.errors.error_handler:{\n"
+        '  "message": {\n    "message": "RendezvousTimeoutError: ",',
+        1,
+        None,
+        F.RENDEZVOUS_FAILURE,
+    ),
+    # https://github.com/pytorch/pytorch/issues/79388
+    (
+        "c10d-store-client-timeout",
+        "[E socket.cpp:793] [c10d] The client socket has timed out after 60s while trying to "
+        "connect to (10.0.0.1, 2222).\n"
+        '    "message": "RendezvousConnectionError: The connection to the C10d store has '
+        'failed. See inner exception for details.",',
+        1,
+        None,
+        F.RENDEZVOUS_FAILURE,
+    ),
+    # https://github.com/pytorch/pytorch/issues/116974
+    (
+        "rendezvous-closed",
+        "Traceback (most recent call last):\n"
+        '  File "/usr/bin/torchrun", line 8, in <module>\n'
+        "torch.distributed.elastic.rendezvous.api.RendezvousClosedError",
+        1,
+        None,
+        F.RENDEZVOUS_FAILURE,
+    ),
+    # https://github.com/pytorch/pytorch/issues/64926
+    (
+        "rendezvous-connection-multi-nic",
+        '[ERROR] 2021-09-13 22:18:26,678 error_handler: {\n  "message": {\n    "message": '
+        '"RendezvousConnectionError: The connection to the C10d store has failed. See inner '
+        'exception for details.",',
+        1,
+        None,
+        F.RENDEZVOUS_FAILURE,
+    ),
+    # https://github.com/ymcui/Chinese-LLaMA-Alpaca-2/issues/274
+    (
+        "rendezvous-timeout-traceback",
+        "Traceback (most recent call last):\n"
+        '  File "/opt/conda/bin/torchrun", line 33, in <module>\n'
+        "    raise RendezvousTimeoutError()\n"
+        "torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError",
+        1,
+        None,
+        F.RENDEZVOUS_FAILURE,
+    ),
+    # --- cuda_oom ---
+    # https://github.com/pytorch/pytorch/issues/16417
+    (
+        "cuda-oom-new-format",
+        "torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 22.00 MiB. GPU 0 "
+        "has a total capacity of 23.65 GiB of which 11.06 MiB is free.",
+        1,
+        None,
+        F.CUDA_OOM,
+    ),
+    # https://github.com/pytorch/pytorch/issues/59778
+    (
+        "cuda-oom-old-format",
+        "RuntimeError: CUDA out of memory. Tried to allocate 2.26 GiB (GPU 0; 6.00 GiB total "
+        "capacity; 781.59 MiB already allocated; 3.03 GiB free; 1.24 GiB reserved in total "
+        "by PyTorch)",
+        1,
+        None,
+        F.CUDA_OOM,
+    ),
+    # https://github.com/murong-xu/CADS/issues/4
+    (
+        "torch-outofmemoryerror",
+        "Traceback (most recent call last):\n"
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 22.78 GiB. GPU 0 has a "
+        "total capacity of 31.47 GiB of which 12.73 GiB is free.",
+        1,
+        None,
+        F.CUDA_OOM,
+    ),
+    # https://github.com/Li-Chongyi/Zero-DCE/issues/52
+    (
+        "outofmemoryerror-bare",
+        "OutOfMemoryError: CUDA out of memory. Tried to allocate 1.71 GiB (GPU 0; 6.00 GiB "
+        "total capacity; 3.49 GiB already allocated; 1.04 GiB free)",
+        1,
+        None,
+        F.CUDA_OOM,
+    ),
+    # OOM on one rank, watchdog timeouts on the others: the root cause wins.
+    # https://github.com/wxian3/NeuroLens/issues/2 + LlamaFactory#7396
+    (
+        "cuda-oom-beats-collateral-timeout",
+        "[rank1]: torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 55.57 GiB."
+        "\n[rank0]:[E321 ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog caught collective "
+        "operation timeout: WorkNCCL(SeqNum=1580, OpType=ALLREDUCE, Timeout(ms)=600000) ran "
+        "for 600060 milliseconds before timing out.",
+        1,
+        None,
+        F.CUDA_OOM,
+    ),
+    # --- host_oom_killed ---
+    # https://github.com/pcyin/tranX/issues/41
+    (
+        "dmesg-killed-process",
+        "[2059991.491436] oom-kill:constraint=CONSTRAINT_NONE,nodemask=(null),cpuset=/,"
+        "mems_allowed=0,global_oom,task_memcg=/user.slice,task=python3,pid=25315,uid=0\n"
+        "[2059991.491542] Out of memory: Killed process 25315 (python3) total-vm:53312244kB, "
+        "anon-rss:31451456kB, file-rss:74816kB, shmem-rss:12296kB, UID:0",
+        None,
+        9,
+        F.HOST_OOM_KILLED,
+    ),
+    # https://github.com/xxayt/MGSV/issues/2
+    (
+        "torchrun-exitcode-minus-9",
+        "ERROR:torch.distributed.elastic.multiprocessing.api:failed (exitcode: -9) local_rank: "
+        "0 (pid: 178) of binary: /root/miniconda3/envs/env/bin/python",
+        1,
+        None,
+        F.HOST_OOM_KILLED,
+    ),
+    # https://github.com/TorchSSL/TorchSSL/issues/4
+    (
+        "dataloader-worker-killed",
+        "RuntimeError: DataLoader worker (pid 12847) is killed by signal: Killed.",
+        1,
+        None,
+        F.HOST_OOM_KILLED,
+    ),
+    (
+        "kernel-invoked-oom-killer",
+        "[ 8712.118811] python invoked oom-killer: gfp_mask=0x100cca(GFP_HIGHUSER_MOVABLE), "
+        "order=0, oom_score_adj=0",
+        None,
+        9,
+        F.HOST_OOM_KILLED,
+    ),
+    # Bare SIGKILL, no text (https://github.com/noelshin/selfmask/issues/11): a low-
+    # confidence guess, the most common cause.
+    ("bare-exit-137", "Process finished with exit code 137", 137, None, F.HOST_OOM_KILLED),
+    # --- gpu_hardware ---
+    # https://github.com/wilicc/gpu-burn/issues/1
+    (
+        "xid-79-fallen-off-bus",
+        "[74889.644138] NVRM: Xid (PCI:0000:02:00): 79, GPU has fallen off the bus.",
+        None,
+        None,
+        F.GPU_HARDWARE,
+    ),
+    # https://github.com/NVIDIA/NVSentinel/issues/155
+    (
+        "fallen-off-bus-no-xid",
+        "[ 1843.308145] NVRM: The NVIDIA GPU 0000:b3:00.0\n"
+        "               NVRM: (PCI ID: 10de:26b5) installed in this system has\n"
+        "               NVRM: fallen off the bus and is not responding to commands.",
+        None,
+        None,
+        F.GPU_HARDWARE,
+    ),
+    (
+        "cuda-uncorrectable-ecc",
+        "RuntimeError: CUDA error: uncorrectable ECC error encountered\n"
+        "CUDA kernel errors might be asynchronously reported at some other API call",
+        1,
+        None,
+        F.GPU_HARDWARE,
+    ),
+    # https://github.com/leptonai/gpud/pull/1174
+    (
+        "xid-94-contained-ecc",
+        "NVRM: Xid (PCI:0000:9b:00): 94, pid=1234, name=python3, Contained ECC error",
+        None,
+        None,
+        F.GPU_HARDWARE,
+    ),
+    # https://github.com/NVIDIA/nccl-tests/issues/24
+    (
+        "illegal-memory-access",
+        "gpu5:35917:35917 [1] init.cu:194 NCCL WARN Cuda failure 'an illegal memory access "
+        "was encountered'",
+        None,
+        None,
+        F.GPU_HARDWARE,
+    ),
+    # --- nan_divergence ---
+    (
+        "deit-loss-is-nan",  # facebookresearch/deit engine.py prints this, then sys.exit(1)
+        "Loss is nan, stopping training",
+        1,
+        None,
+        F.NAN_DIVERGENCE,
+    ),
+    (
+        "fairseq-min-loss-scale",  # facebookresearch/fairseq
+        "FloatingPointError: Minimum loss scale reached (0.0001). Your loss is probably "
+        "exploding. Try lowering the learning rate, using gradient clipping or increasing the "
+        "batch size.",
+        1,
+        None,
+        F.NAN_DIVERGENCE,
+    ),
+    (
+        "anomaly-mode-nan-backward",  # torch.autograd.detect_anomaly
+        "RuntimeError: Function 'LogSoftmaxBackward0' returned nan values in its 0th output.",
+        1,
+        None,
+        F.NAN_DIVERGENCE,
+    ),
+    (
+        "megatron-found-nan-grad-norm",  # NVIDIA/Megatron-LM
+        "AssertionError: found NaN in local grad norm in backward pass before data-parallel "
+        "communication collective",
+        1,
+        None,
+        F.NAN_DIVERGENCE,
+    ),
+    ("contract-exit-76", "", int(ExitCode.NAN_DETECTED), None, F.NAN_DIVERGENCE),
+    # --- silent_corruption ---
+    ("contract-exit-79", "", int(ExitCode.SILENT_CORRUPTION), None, F.SILENT_CORRUPTION),
+    (
+        "reference-forward-drift",
+        "skyresume: reference forward pass drifted by 3.2e-02 on rank 5: silent data "
+        "corruption suspected",
+        None,
+        None,
+        F.SILENT_CORRUPTION,
+    ),
+    (
+        "replica-checksum-mismatch",
+        "ERROR: parameter checksum mismatch across data-parallel replicas at step 41200",
+        None,
+        None,
+        F.SILENT_CORRUPTION,
+    ),
+    # --- checkpoint_io ---
+    (
+        "torch-load-truncated-zip",  # torch.load of a half-written file
+        "RuntimeError: PytorchStreamReader failed reading zip archive: failed finding central "
+        "directory",
+        1,
+        None,
+        F.CHECKPOINT_IO,
+    ),
+    (
+        "no-space-left",
+        "OSError: [Errno 28] No space left on device: '/ckpt/step_1200/__0_0.distcp'",
+        1,
+        None,
+        F.CHECKPOINT_IO,
+    ),
+    (
+        "dcp-checkpoint-exception",
+        "torch.distributed.checkpoint.api.CheckpointException: CheckpointException ranks:"
+        "dict_keys([0, 1])",
+        1,
+        None,
+        F.CHECKPOINT_IO,
+    ),
+    ("contract-exit-78", "", int(ExitCode.CHECKPOINT_INVALID), None, F.CHECKPOINT_IO),
+    ("contract-exit-77", "", int(ExitCode.RESUME_MISMATCH), None, F.CHECKPOINT_IO),
+    (
+        "s3-slowdown",
+        "botocore.exceptions.ClientError: An error occurred (SlowDown) when calling the "
+        "PutObject operation: Please reduce your request rate.",
+        1,
+        None,
+        F.CHECKPOINT_IO,
+    ),
+    # --- health_check_failed ---
+    (
+        "nvidia-smi-driver",
+        "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. Make "
+        "sure that the latest NVIDIA driver is installed and running.",
+        None,
+        None,
+        F.HEALTH_CHECK_FAILED,
+    ),
+    ("no-cuda-gpus", "RuntimeError: No CUDA GPUs are available", 1, None, F.HEALTH_CHECK_FAILED),
+    (
+        "found-no-driver",
+        "RuntimeError: Found no NVIDIA driver on your system. Please check that you have an "
+        "NVIDIA GPU and installed a driver",
+        1,
+        None,
+        F.HEALTH_CHECK_FAILED,
+    ),
+    (
+        "cuda-driver-init",
+        "RuntimeError: CUDA driver initialization failed, you might not have a CUDA gpu.",
+        1,
+        None,
+        F.HEALTH_CHECK_FAILED,
+    ),
+    (
+        "preflight-health-check",
+        "skyresume-agent: health check failed: dcgmi diag -r 1 reported Fail on GPU 3",
+        None,
+        None,
+        F.HEALTH_CHECK_FAILED,
+    ),
+    # --- capacity_unavailable ---
+    (
+        "aws-insufficient-capacity",
+        "An error occurred (InsufficientInstanceCapacity) when calling the RunInstances "
+        "operation: We currently do not have sufficient p4d.24xlarge capacity in the "
+        "Availability Zone you requested (us-east-1a).",
+        None,
+        None,
+        F.CAPACITY_UNAVAILABLE,
+    ),
+    (
+        "gcp-pool-exhausted",
+        "code: ZONE_RESOURCE_POOL_EXHAUSTED message: The zone 'projects/p/zones/us-central1-a'"
+        " does not have enough resources available to fulfill the request.",
+        None,
+        None,
+        F.CAPACITY_UNAVAILABLE,
+    ),
+    (
+        "skypilot-failed-to-provision",
+        "sky.exceptions.ResourcesUnavailableError: Failed to provision all possible launchable"
+        " resources. Relax the task's resource requirements: 2x AWS(p4d.24xlarge)",
+        None,
+        None,
+        F.CAPACITY_UNAVAILABLE,
+    ),
+    (
+        "azure-allocation-failed",
+        "Code: AllocationFailed Message: Allocation failed. We do not have sufficient capacity"
+        " for the requested VM size in this region.",
+        None,
+        None,
+        F.CAPACITY_UNAVAILABLE,
+    ),
+    (
+        "aws-spot-max-price",
+        "An error occurred (SpotMaxPriceTooLow) when calling the RunInstances operation",
+        None,
+        None,
+        F.CAPACITY_UNAVAILABLE,
+    ),
+    # --- slow_peer ---
+    (
+        "straggler-report",
+        "Straggler report: rank 17 relative GPU performance 0.61 (threshold 0.7)",
+        None,
+        None,
+        F.SLOW_PEER,
+    ),
+    (
+        "slow-rank",
+        "WARNING: rank 3 is slow: step time 2.9s vs median 1.1s",
+        None,
+        None,
+        F.SLOW_PEER,
+    ),
+    # --- node_lost ---
+    ("ssh-closed", "Connection to 10.0.0.7 closed by remote host.", 255, None, F.NODE_LOST),
+    (
+        "no-route-to-host",
+        "ssh: connect to host 10.0.0.7 port 22: No route to host",
+        255,
+        None,
+        F.NODE_LOST,
+    ),
+    ("sigterm-no-notice", "", None, "SIGTERM", F.NODE_LOST),
+    # --- user_code_error ---
+    (
+        "keyerror-in-train",
+        "Traceback (most recent call last):\n"
+        '  File "/app/train.py", line 88, in <module>\n'
+        "    batch = batch['input_ids']\n"
+        "KeyError: 'input_ids'",
+        1,
+        None,
+        F.USER_CODE_ERROR,
+    ),
+    (
+        "rank-prefixed-shape-error",
+        "[rank0]: Traceback (most recent call last):\n"
+        '[rank0]:   File "/app/train.py", line 120, in <module>\n'
+        "[rank0]: RuntimeError: mat1 and mat2 shapes cannot be multiplied (8x512 and 768x10)\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
+        1,
+        None,
+        F.USER_CODE_ERROR,
+    ),
+    (
+        "module-not-found",
+        "Traceback (most recent call last):\n"
+        '  File "train.py", line 3, in <module>\n'
+        "ModuleNotFoundError: No module named 'transformers'",
+        1,
+        None,
+        F.USER_CODE_ERROR,
+    ),
+    (
+        "attribute-error",
+        "Traceback (most recent call last):\n"
+        "AttributeError: 'NoneType' object has no attribute 'shape'",
+        1,
+        None,
+        F.USER_CODE_ERROR,
+    ),
+    (
+        "syntax-error",
+        "Traceback (most recent call last):\n"
+        '  File "train.py", line 12\n'
+        "SyntaxError: invalid syntax",
+        1,
+        None,
+        F.USER_CODE_ERROR,
+    ),
+    # --- preemption_notice ---
+    ("contract-exit-75", "", int(ExitCode.PREEMPTED_SAVED), None, F.PREEMPTION_NOTICE),
+    # --- unknown ---
+    ("empty", "", None, None, F.UNKNOWN),
+    ("nonsense", "step 1200 loss 2.31\nstep 1201 loss 2.30", 1, None, F.UNKNOWN),
+]
+
+
+@pytest.mark.parametrize(
+    ("log", "exit_code", "signal", "want"),
+    [pytest.param(log, code, sig, want, id=i) for i, log, code, sig, want in CASES],
+)
+def test_labelled_excerpt_is_classified_as_labelled(
+    log: str, exit_code: int | None, signal: int | str | None, want: FailureClass
+) -> None:
+    got = classify_failure(exit_code, signal, log)
+    assert got.failure_class is want, got
+    assert 0.0 <= got.confidence <= 1.0
+    if want is not F.UNKNOWN:
+        assert got.evidence, "every class names its evidence"
+    if want is not F.UNKNOWN and log:
+        assert any(e in log for e in got.evidence) or got.evidence[0].startswith(
+            ("exit code", "killed", "terminated")
+        )
+
+
+def test_every_class_has_at_least_one_labelled_case() -> None:
+    labelled = {c[-1] for c in CASES}
+    assert labelled == set(FailureClass)
+
+
+def test_taxonomy_has_exactly_the_sixteen_issue_values() -> None:
+    assert [c.value for c in FailureClass] == [
+        "preemption_notice", "node_lost", "nccl_timeout", "nccl_transport",
+        "rendezvous_failure", "slow_peer", "cuda_oom", "host_oom_killed", "gpu_hardware",
+        "nan_divergence", "silent_corruption", "checkpoint_io", "health_check_failed",
+        "capacity_unavailable", "user_code_error", "unknown",
+    ]  # fmt: skip
+
+
+def test_notice_outranks_the_collateral_nccl_timeout() -> None:
+    log = "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5)"
+    got = classify_failure(None, "SIGTERM", log, notice_kind="terminate")
+    assert got.failure_class is F.PREEMPTION_NOTICE
+    assert got.confidence > 0.9
+
+
+def test_contract_exit_code_outranks_log_text() -> None:
+    got = classify_failure(76, None, "Traceback (most recent call last):\nValueError: x")
+    assert got.failure_class is F.NAN_DIVERGENCE
+    assert got.evidence == ("exit code 76 (NAN_DETECTED)",)
+
+
+def test_agent_heartbeat_report_is_node_lost_unless_logs_name_a_root_cause() -> None:
+    lost = classify_failure(None, None, "", agent_report={"event": "heartbeat_missed"})
+    assert lost.failure_class is F.NODE_LOST
+    oom = classify_failure(
+        None,
+        None,
+        "Out of memory: Killed process 25315 (python3) total-vm:53312244kB",
+        agent_report={"event": "heartbeat_missed"},
+    )
+    assert oom.failure_class is F.HOST_OOM_KILLED
+
+
+def test_agent_message_is_scanned_like_the_log() -> None:
+    got = classify_failure(
+        None, None, "", agent_report={"message": "ZONE_RESOURCE_POOL_EXHAUSTED in us-east5-b"}
+    )
+    assert got.failure_class is F.CAPACITY_UNAVAILABLE
+
+
+def test_only_user_code_errors_are_not_retryable() -> None:
+    for i, log, code, sig, want in CASES:
+        got = classify_failure(code, sig, log)
+        assert got.retryable is (want is not F.USER_CODE_ERROR), i
+
+
+def test_torchrun_wrapper_is_not_mistaken_for_the_users_exception() -> None:
+    got = classify_failure(
+        1,
+        None,
+        "Traceback (most recent call last):\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
+    )
+    assert got.failure_class is F.UNKNOWN
+
+
+def test_bad_signal_name_is_refused_with_its_name() -> None:
+    with pytest.raises(ValueError, match="SIGFOO"):
+        classify_failure(None, "SIGFOO", "")
+
+
+def test_json_shape_matches_the_cli_contract() -> None:
+    c = Classification(F.CUDA_OOM, True, 0.95, ("CUDA out of memory",))
+    assert c.to_json_dict() == {
+        "class": "cuda_oom",
+        "retryable": True,
+        "confidence": 0.95,
+        "evidence": ["CUDA out of memory"],
+    }
