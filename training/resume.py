@@ -1,0 +1,67 @@
+"""Resume validation: every rank must have loaded the same checkpoint before the
+first optimizer step. One all-gather of (step, manifest digest) per resume; any
+disagreement stops training with an error that names the ranks and their steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ResumeMismatch(RuntimeError):
+    """Ranks loaded different checkpoints. Training must not start."""
+
+
+@dataclass(frozen=True)
+class RankResume:
+    rank: int
+    step: int | None
+    """None = the rank starts from scratch."""
+    digest: str | None
+
+
+def check_agreement(views: list[RankResume], *, expected_step: int | None = None) -> int | None:
+    """The agreed step, or ResumeMismatch naming each group of ranks. Pure."""
+    groups: dict[tuple[int | None, str | None], list[int]] = {}
+    for v in views:
+        groups.setdefault((v.step, v.digest), []).append(v.rank)
+    if len(groups) > 1:
+        parts = [
+            f"ranks {_ranges(ranks)} at step {step if step is not None else 'none (fresh start)'}"
+            + (f" (manifest {digest[:12]})" if digest else "")
+            for (step, digest), ranks in sorted(groups.items(), key=lambda kv: kv[1][0])
+        ]
+        raise ResumeMismatch("ranks loaded different checkpoints: " + "; ".join(parts))
+    ((step, _digest),) = groups
+    if expected_step is not None and step != expected_step:
+        raise ResumeMismatch(
+            f"all ranks loaded step {step}, but the orchestrator staged step {expected_step}"
+        )
+    return step
+
+
+def _ranges(ranks: list[int]) -> str:
+    ranks = sorted(ranks)
+    out, start, prev = [], ranks[0], ranks[0]
+    for r in [*ranks[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ",".join(out)
+
+
+def agree_on_resume(
+    step: int | None, digest: str | None, *, expected_step: int | None = None, group=None
+) -> int | None:
+    """All-gather this rank's (step, digest) and check every rank agrees."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return check_agreement([RankResume(0, step, digest)], expected_step=expected_step)
+    world = dist.get_world_size(group)
+    gathered: list[tuple[int | None, str | None] | None] = [None] * world
+    dist.all_gather_object(gathered, (step, digest), group=group)
+    views = [RankResume(r, *(g or (None, None))) for r, g in enumerate(gathered)]
+    return check_agreement(views, expected_step=expected_step)
