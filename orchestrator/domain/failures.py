@@ -102,7 +102,26 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"NVLink.*(fatal|error)",
     )
     + _r(_F.GPU_HARDWARE, 0.75, r"an illegal memory access was encountered")
-    + _r(_F.GPU_HARDWARE, 0.7, r"unspecified launch failure", r"\bXid\b")
+    + _r(
+        _F.GPU_HARDWARE,
+        0.7,
+        r"unspecified launch failure",
+        r"\bXid\b",
+        r"unhandled cuda error",
+        r"ncclUnhandledCudaError",
+    )
+    # An index out of range inside a kernel: the user's bug, not the GPU's.
+    + _r(_F.USER_CODE_ERROR, 0.8, r"device-side assert triggered")
+    + _r(
+        _F.PREEMPTION_NOTICE,
+        0.9,
+        r"spot instance (interruption|termination)",
+        r"instance-action.*(terminate|stop|hibernate)",
+        r'"EventType"\s*:\s*"Preempt"',
+        r"compute\.instances\.preempted",
+        r"instance was preempted",
+        r"preemption notice",
+    )
     + _r(
         _F.HOST_OOM_KILLED,
         0.96,

@@ -493,6 +493,14 @@ CASES: list[tuple[str, str, int | None, int | str | None, FailureClass]] = [
     ("sigterm-no-notice", "", None, "SIGTERM", F.NODE_LOST),
     # --- user_code_error ---
     (
+        "device-side-assert",  # an index out of range inside a CUDA kernel
+        "RuntimeError: CUDA error: device-side assert triggered\n"
+        "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.",
+        1,
+        None,
+        F.USER_CODE_ERROR,
+    ),
+    (
         "keyerror-in-train",
         "Traceback (most recent call last):\n"
         '  File "/app/train.py", line 88, in <module>\n'
@@ -540,6 +548,37 @@ CASES: list[tuple[str, str, int | None, int | str | None, FailureClass]] = [
     ),
     # --- preemption_notice ---
     ("contract-exit-75", "", int(ExitCode.PREEMPTED_SAVED), None, F.PREEMPTION_NOTICE),
+    # The documented notice bodies (AWS IMDS, Azure Scheduled Events, GCP audit log).
+    (
+        "aws-instance-action",
+        'GET /latest/meta-data/spot/instance-action -> {"action": "terminate", '
+        '"time": "2026-12-01T02:20:00Z"}',
+        None,
+        "SIGTERM",
+        F.PREEMPTION_NOTICE,
+    ),
+    (
+        "azure-scheduled-event",
+        '{"DocumentIncarnation": 2, "Events": [{"EventId": "A1", "EventType": "Preempt", '
+        '"NotBefore": "Tue, 01 Dec 2026 02:21:00 GMT"}]}',
+        None,
+        None,
+        F.PREEMPTION_NOTICE,
+    ),
+    (
+        "gcp-preempted-operation",
+        "operationType: compute.instances.preempted targetLink: .../instances/node-3",
+        None,
+        None,
+        F.PREEMPTION_NOTICE,
+    ),
+    (
+        "aws-interruption-warning-event",
+        "EC2 Spot Instance Interruption Warning for i-0abc123: action terminate",
+        None,
+        None,
+        F.PREEMPTION_NOTICE,
+    ),
     # --- unknown ---
     ("empty", "", None, None, F.UNKNOWN),
     ("nonsense", "step 1200 loss 2.31\nstep 1201 loss 2.30", 1, None, F.UNKNOWN),
