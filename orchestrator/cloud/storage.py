@@ -631,3 +631,44 @@ def stage_checkpoint(
         return StagedCheckpoint(info.step, str(dest), len(manifest.files), total, got, skipped)
     why = "; ".join(f"step {s.step}: {s.reason}" for s in skipped) or "nothing under it"
     raise StorageError(f"{uri}: no complete checkpoint could be staged ({why})")
+
+
+def upload_checkpoint(local_step_dir: str, uri: str, *, workers: int = 16) -> CheckpointInfo:
+    """Upload a local ``step_<N>`` directory (with its manifest) to ``uri/step_<N>``.
+
+    Shards go first, in parallel, each retried; then the listing is checked against
+    the manifest; then manifest.json; COMMIT last. A failure anywhere raises before
+    COMMIT, so a half-uploaded checkpoint is never taken for a complete one.
+    """
+    src = Path(local_step_dir)
+    step = parse_step_dir(src.name)
+    if step is None:
+        raise StorageError(f"{local_step_dir}: not a step_<N> directory")
+    try:
+        mbytes = (src / MANIFEST_NAME).read_bytes()
+    except FileNotFoundError:
+        raise StorageError(f"{local_step_dir}: no {MANIFEST_NAME}") from None
+    try:
+        manifest = Manifest.from_json(mbytes, source=str(src / MANIFEST_NAME))
+    except ManifestError as e:
+        raise StorageError(str(e)) from None
+    store, prefix = store_for_uri(uri)
+    key = _join(prefix, src.name)
+
+    def put(f: Any) -> None:
+        path = src / f.path
+        if not path.is_file() or path.stat().st_size != f.size:
+            raise StorageError(f"{path}: missing or not {f.size} bytes as the manifest says")
+        _retry(lambda: store.put_file(str(path), _join(key, f.path)), str(path), 4, 0.2)
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for fut in [pool.submit(put, f) for f in manifest.files]:
+            fut.result()
+    listed = {o.key: o.size for o in store.list(_join(key, ""))}
+    for f in manifest.files:
+        if listed.get(_join(key, f.path)) != f.size:
+            raise StorageError(f"{_join(key, f.path)}: not in the store after upload")
+    store.put_bytes(_join(key, MANIFEST_NAME), mbytes)
+    store.put_bytes(_join(key, COMMIT_NAME), commit_marker(mbytes))
+    size = sum(f.size for f in manifest.files)
+    return CheckpointInfo(step, key, True, "", len(manifest.files) + 2, size)
