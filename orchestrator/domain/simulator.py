@@ -99,6 +99,38 @@ def failure_model(
     return FailureModel(LLAMA3_RATE_PER_GPU_HOUR * rate_multiplier, mix, spot_preemptions_per_day)
 
 
+def failure_model_from_history(
+    class_counts: Mapping[FailureClass, int],
+    gpu_hours: float,
+    *,
+    prior_failures: float = 2.0,
+    spot_preemptions_per_day: float = 0.0,
+) -> FailureModel:
+    """A failure model from the service's measured history instead of Llama 3's.
+
+    Rate: gamma-Poisson posterior mean with the Llama 3 rate as prior (see
+    :func:`orchestrator.domain.advisor.estimate_rate`). Mix: measured counts plus the
+    Llama 3 mix scaled to ``prior_failures`` pseudo-failures, so classes never seen yet
+    keep a small weight instead of vanishing. Preemptions in the counts are left out:
+    spot reclaims are modelled per day by ``spot_preemptions_per_day``.
+    """
+    if gpu_hours < 0:
+        raise ValueError(f"gpu_hours must be >= 0, got {gpu_hours}")
+    if any(n < 0 for n in class_counts.values()):
+        raise ValueError("class counts must be >= 0")
+    counts = {c: n for c, n in class_counts.items() if c is not _F.PREEMPTION_NOTICE}
+    total = sum(counts.values())
+    b = prior_failures / LLAMA3_RATE_PER_GPU_HOUR
+    rate = (prior_failures + total) / (b + gpu_hours)
+    llama_total = sum(LLAMA3_MIX.values())
+    mix: dict[FailureClass, float] = {
+        c: prior_failures * n / llama_total for c, n in LLAMA3_MIX.items()
+    }
+    for c, n in counts.items():
+        mix[c] = mix.get(c, 0.0) + n
+    return FailureModel(rate, mix, spot_preemptions_per_day)
+
+
 @dataclass(frozen=True)
 class SimPolicy:
     name: str

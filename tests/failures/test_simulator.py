@@ -98,3 +98,18 @@ def test_bad_inputs_are_refused() -> None:
         simulate(POLICIES["skyresume"], LLAMA3, 0, 1)
     with pytest.raises(ValueError):
         failure_model("weibull")
+
+
+def test_history_replaces_the_llama3_model_when_plentiful() -> None:
+    from orchestrator.domain.simulator import failure_model_from_history
+
+    # 10x Llama 3's rate, all NCCL transport: the history dominates rate and mix.
+    hours = 1e7
+    n = round(10 * LLAMA3.rate_per_gpu_hour * hours)
+    m = failure_model_from_history({FailureClass.NCCL_TRANSPORT: n}, hours)
+    assert m.rate_per_gpu_hour == pytest.approx(10 * LLAMA3.rate_per_gpu_hour, rel=0.02)
+    share = m.mix[FailureClass.NCCL_TRANSPORT] / sum(m.mix.values())
+    assert share > 0.99
+    # No history at all: the Llama 3 model.
+    empty = failure_model_from_history({}, 0)
+    assert empty.rate_per_gpu_hour == pytest.approx(LLAMA3.rate_per_gpu_hour)
