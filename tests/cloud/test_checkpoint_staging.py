@@ -3,11 +3,12 @@ corrupt and truncated objects, missing shards, a server that drops mid-transfer.
 
 from __future__ import annotations
 
-import hashlib
-import os
 from pathlib import Path
 
 import pytest
+
+# tests/cloud is on sys.path (pytest prepends a test file's folder; tests/ has no packages).
+from cloud_checkpoints import make_local_checkpoint, shards
 
 from orchestrator.cloud import storage
 from orchestrator.cloud.storage import (
@@ -17,31 +18,7 @@ from orchestrator.cloud.storage import (
     store_for_uri,
     upload_checkpoint,
 )
-from orchestrator.contract import COMMIT_NAME, MANIFEST_NAME, Manifest, ManifestFile, check_commit
-
-
-def make_local_checkpoint(root: Path, step: int, files: dict[str, bytes]) -> Path:
-    d = root / f"step_{step}"
-    for rel, data in files.items():
-        (d / rel).parent.mkdir(parents=True, exist_ok=True)
-        (d / rel).write_bytes(data)
-    m = Manifest(
-        step,
-        len(files),
-        "2026-12-01T00:00:00+00:00",
-        tuple(
-            ManifestFile(rel, len(data), hashlib.sha256(data).hexdigest())
-            for rel, data in sorted(files.items())
-        ),
-    )
-    (d / MANIFEST_NAME).write_bytes(m.to_json())
-    return d
-
-
-def shards(seed: int, n: int = 3, size: int = 50_000) -> dict[str, bytes]:
-    out = {f"__{r}_0.distcp": os.urandom(size) for r in range(n)}
-    out[".metadata"] = f"meta-{seed}".encode()
-    return out
+from orchestrator.contract import COMMIT_NAME, MANIFEST_NAME, check_commit
 
 
 def key_of(uri: str, rel: str) -> str:
