@@ -312,6 +312,14 @@ def _parse_signal(signal: int | str | None) -> int | None:
     raise ValueError(f"unknown signal {signal!r}: use a number or SIGKILL/SIGTERM")
 
 
+#: Evidence lines are cut to this length; a log line can be megabytes of tensor repr.
+MAX_EVIDENCE_CHARS = 400
+
+
+def _clip(line: str) -> str:
+    return line if len(line) <= MAX_EVIDENCE_CHARS else line[: MAX_EVIDENCE_CHARS - 3] + "..."
+
+
 def _scan(lines: list[str]) -> Classification | None:
     best: dict[FailureClass, tuple[float, list[str]]] = {}
     for line in lines:
@@ -328,7 +336,7 @@ def _scan(lines: list[str]) -> Classification | None:
     cls, (conf, ev) = max(best.items(), key=lambda kv: (kv[1][0], -order.index(kv[0])))
     # Several matching lines of the same class make it a little surer.
     conf = min(1.0, conf + 0.01 * (len(ev) - 1))
-    return Classification(cls, RETRYABLE[cls], conf, tuple(ev[-_MAX_EVIDENCE:]))
+    return Classification(cls, RETRYABLE[cls], conf, tuple(_clip(e) for e in ev[-_MAX_EVIDENCE:]))
 
 
 def _user_exception(lines: list[str]) -> Classification | None:
@@ -337,7 +345,7 @@ def _user_exception(lines: list[str]) -> Classification | None:
     for line in reversed(lines):
         m = _EXC_LINE.match(line.strip())
         if m and not any(w in m.group(1) for w in _WRAPPERS):
-            return Classification(_F.USER_CODE_ERROR, False, 0.7, (line,))
+            return Classification(_F.USER_CODE_ERROR, False, 0.7, (_clip(line),))
     return None
 
 
@@ -396,5 +404,5 @@ def classify_failure(
     if sig == 15:
         # SIGTERM without a notice: someone stopped the node; treat it as lost.
         return Classification(_F.NODE_LOST, True, 0.4, ("terminated by SIGTERM (signal 15)",))
-    ev = (lines[-1],) if lines else ()
+    ev = (_clip(lines[-1]),) if lines else ()
     return Classification(_F.UNKNOWN, RETRYABLE[_F.UNKNOWN], 0.1, ev)

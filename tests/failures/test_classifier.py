@@ -7,6 +7,8 @@ hostnames, pids and sizes shortened). Each case: (id, log, exit code, signal, cl
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from orchestrator.contract import ExitCode
 from orchestrator.domain.failures import Classification, FailureClass, classify_failure
@@ -678,3 +680,24 @@ def test_json_shape_matches_the_cli_contract() -> None:
         "confidence": 0.95,
         "evidence": ["CUDA out of memory"],
     }
+
+
+def test_evidence_lines_are_clipped() -> None:
+    got = classify_failure(None, None, "CUDA out of memory. " + "x" * 10_000)
+    assert got.failure_class is F.CUDA_OOM
+    assert len(got.evidence[0]) <= 400
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(max_size=500),
+    code=st.none() | st.integers(-64, 255),
+    sig=st.none() | st.integers(1, 64),
+)
+def test_any_input_gets_a_valid_classification(
+    text: str, code: int | None, sig: int | None
+) -> None:
+    got = classify_failure(code, sig, text)
+    assert got.failure_class in set(FailureClass)
+    assert 0.0 <= got.confidence <= 1.0
+    assert got.retryable is (got.failure_class is not F.USER_CODE_ERROR)
