@@ -1,0 +1,109 @@
+"""The reference script under torchrun: interrupted runs end bitwise equal to an
+uninterrupted one; a NaN stops training before any update."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from orchestrator.contract import ExitCode
+from training.checkpoint import find_latest_complete
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 16
+
+
+def _train(tmp: Path, name: str, *extra: str, nproc: int = 2) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=0",
+        "-m",
+        "training.examples.train_gpt",
+        "--max-steps",
+        str(STEPS),
+        "--checkpoint-uri",
+        f"file://{tmp / name}",
+        "--checkpoint-every",
+        "4",
+        "--save-final",
+        str(tmp / f"{name}.pt"),
+        *extra,
+    ]
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def _finish(p: subprocess.Popen) -> str:
+    out, _ = p.communicate(timeout=300)
+    return out.decode()
+
+
+def _assert_bitwise_equal(a: Path, b: Path) -> None:
+    sa, sb = torch.load(a), torch.load(b)
+    assert sa["step"] == sb["step"] == STEPS
+    for k in sa["model"]:
+        assert torch.equal(sa["model"][k], sb["model"][k]), k
+    for pid, st in sa["optim"]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, sb["optim"]["state"][pid][k]), (pid, k)
+
+
+def _wait_for_checkpoint(root: Path, p: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 120
+    while find_latest_complete(root, deep=False) is None:
+        assert p.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_sigterm_and_sigkill_resumes_end_bitwise_equal_to_an_uninterrupted_run(tmp_path):
+    base = _train(tmp_path, "base")
+    out = _finish(base)
+    assert base.returncode == 0, out[-3000:]
+
+    # SIGTERM mid-run: every rank saves at the same boundary and exits 75.
+    run = _train(tmp_path, "term", "--step-sleep", "0.1")
+    _wait_for_checkpoint(tmp_path / "term", run)
+    time.sleep(0.35)
+    os.killpg(run.pid, signal.SIGTERM)
+    out = _finish(run)
+    assert "stop requested; saved step" in out, out[-3000:]
+    assert f"exitcode  : {int(ExitCode.PREEMPTED_SAVED)}" in out or run.returncode != 0
+    resumed = _train(tmp_path, "term")
+    out = _finish(resumed)
+    assert resumed.returncode == 0, out[-3000:]
+    _assert_bitwise_equal(tmp_path / "base.pt", tmp_path / "term.pt")
+
+    # SIGKILL of the whole node (no save): resume from the last periodic checkpoint.
+    run = _train(tmp_path, "kill", "--step-sleep", "0.1")
+    _wait_for_checkpoint(tmp_path / "kill", run)
+    time.sleep(0.5)
+    os.killpg(run.pid, signal.SIGKILL)
+    run.wait(timeout=30)
+    resumed = _train(tmp_path, "kill")
+    out = _finish(resumed)
+    assert resumed.returncode == 0, out[-3000:]
+    _assert_bitwise_equal(tmp_path / "base.pt", tmp_path / "kill.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_injected_nan_stops_with_its_exit_code_and_no_update(tmp_path):
+    run = _train(tmp_path, "nan", "--inject-nan-at", "6")
+    out = _finish(run)
+    assert "non-finite loss/grad at step 6; no update applied" in out
+    assert f"exitcode  : {int(ExitCode.NAN_DETECTED)}" in out, out[-3000:]
