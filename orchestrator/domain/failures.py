@@ -221,10 +221,11 @@ _RULES: tuple[_Rule, ...] = tuple(
     + _r(
         _F.SLOW_PEER,
         0.8,
-        r"straggler",
-        r"rank \d+ is (a )?slow",
-        r"slow (rank|peer|node)",
-        r"throughput (dropped|degraded)",
+        # Straggler reports also print "No stragglers detected." every interval.
+        r"(?<!no )\bstragglers? (detected|found|identified)",
+        r"straggler_gpus_(relative|individual).*rank=\d+",
+        r"rank \d+ is (a )?(slow|straggler)",
+        r"slow (rank|peer|node)s? (detected|found)",
     )
     + _r(
         _F.HEALTH_CHECK_FAILED,
@@ -254,6 +255,10 @@ _RULES: tuple[_Rule, ...] = tuple(
         _F.NODE_LOST,
         0.8,
         r"heartbeat (missed|lost|timed out)",
+        # torchrun itself got SIGTERM: the machine is being shut down under it.
+        r"Received (\d+|Signals\.SIG\w+) death signal",
+        # gloo sees a peer's socket close when that peer's process or host dies.
+        r"gloo.*Connection closed by peer",
         r"No route to host",
         r"Host is down",
         r"closed by remote host",

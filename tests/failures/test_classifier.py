@@ -469,9 +469,12 @@ CASES: list[tuple[str, str, int | None, int | str | None, FailureClass]] = [
         F.CAPACITY_UNAVAILABLE,
     ),
     # --- slow_peer ---
+    # nvidia-resiliency-ext's identify_stragglers() result, as printed in
+    # https://github.com/flagos-ai/FlagScale/pull/697
     (
-        "straggler-report",
-        "Straggler report: rank 17 relative GPU performance 0.61 (threshold 0.7)",
+        "nvrx-identify-stragglers",
+        "{'straggler_gpus_relative': {StragglerId(rank=3, node='node-1')}, "
+        "'straggler_gpus_individual': set()}",
         None,
         None,
         F.SLOW_PEER,
@@ -484,6 +487,33 @@ CASES: list[tuple[str, str, int | None, int | str | None, FailureClass]] = [
         F.SLOW_PEER,
     ),
     # --- node_lost ---
+    # https://github.com/pytorch/pytorch/issues/150916
+    (
+        "torchrun-death-signal-15",
+        "W0409 07:28:49.530000 1359 torch/distributed/elastic/agent/server/api.py:719] "
+        "Received 15 death signal, shutting down workers",
+        1,
+        None,
+        F.NODE_LOST,
+    ),
+    # https://github.com/pytorch/pytorch/issues/114097
+    (
+        "torchrun-death-signal-sigterm",
+        "W0823 16:54:02.337000 139733055988160 torch/distributed/elastic/agent/server/"
+        "api.py:688] Received Signals.SIGTERM death signal, shutting down workers",
+        1,
+        None,
+        F.NODE_LOST,
+    ),
+    # https://github.com/kubeflow/trainer/issues/1638 (a pod went down)
+    (
+        "gloo-peer-closed",
+        "RuntimeError: [/opt/conda/conda-bld/pytorch/work/third_party/gloo/gloo/transport/"
+        "tcp/pair.cc:598] Connection closed by peer [10.244.48.107]:12717",
+        1,
+        None,
+        F.NODE_LOST,
+    ),
     ("ssh-closed", "Connection to 10.0.0.7 closed by remote host.", 255, None, F.NODE_LOST),
     (
         "no-route-to-host",
@@ -680,6 +710,12 @@ def test_json_shape_matches_the_cli_contract() -> None:
         "confidence": 0.95,
         "evidence": ["CUDA out of memory"],
     }
+
+
+def test_a_clean_straggler_report_is_not_a_failure() -> None:
+    # https://github.com/flagos-ai/FlagScale/pull/938 prints this every interval.
+    log = "[default0]:=== Straggler Report at Step 10 ===\n[default0]:✓ No stragglers detected."
+    assert classify_failure(None, None, log).failure_class is F.UNKNOWN
 
 
 def test_evidence_lines_are_clipped() -> None:
