@@ -95,7 +95,9 @@ _RULES: tuple[_Rule, ...] = tuple(
         _F.GPU_HARDWARE,
         0.97,
         r"uncorrectable ECC error",
-        r"\bXid\b.*?\b(48|61|62|63|64|74|79|92|94|95|119|120|140)\b",
+        # The Xid code right after "Xid" or "Xid (PCI:...):", never a pid further on.
+        # These are the memory/bus/NVLink codes NVIDIA says need a reset or RMA.
+        r"\bXid\b(?:\s*\([^)]*\))?:?\s*(48|61|62|63|64|74|79|92|94|95|119|120|140)\b",
         r"fallen off the bus",
         r"cudaErrorECCUncorrectable",
         r"GPU is lost",

@@ -712,6 +712,21 @@ def test_json_shape_matches_the_cli_contract() -> None:
     }
 
 
+@pytest.mark.parametrize(
+    ("line", "strong"),
+    [
+        ("NVRM: Xid (PCI:0000:02:00): 79, GPU has fallen off the bus.", True),
+        ("Xid 79 on node 3", True),
+        ("NVRM: Xid (PCI:0000:3b:00): 13, pid=79, Graphics SM Warp Exception", False),
+    ],
+    ids=["pci-79", "plain-79", "xid-13-pid-79"],
+)
+def test_xid_code_is_read_where_it_stands_not_from_a_pid(line: str, strong: bool) -> None:
+    got = classify_failure(None, None, line)
+    assert got.failure_class is F.GPU_HARDWARE
+    assert (got.confidence > 0.9) is strong
+
+
 def test_a_clean_straggler_report_is_not_a_failure() -> None:
     # https://github.com/flagos-ai/FlagScale/pull/938 prints this every interval.
     log = "[default0]:=== Straggler Report at Step 10 ===\n[default0]:✓ No stragglers detected."
