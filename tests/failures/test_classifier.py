@@ -2,6 +2,9 @@
 
 Excerpts are trimmed from public issue threads (URL in the comment above each group;
 hostnames, pids and sizes shortened). Each case: (id, log, exit code, signal, class).
+Where public threads have little text (stragglers, silent corruption, the cloud notice
+bodies), the excerpt follows the documented format or the message our own agent and
+training library print; those cases carry no URL.
 """
 
 from __future__ import annotations
@@ -355,6 +358,20 @@ CASES: list[tuple[str, str, int | None, int | str | None, FailureClass]] = [
         F.SILENT_CORRUPTION,
     ),
     (
+        "sdc-detected-by-check",
+        "SDC detected: GPU 5 produced a different result on the replayed step 41200",
+        None,
+        None,
+        F.SILENT_CORRUPTION,
+    ),
+    (
+        "weights-diverged-across-replicas",
+        "ERROR: weights diverged across data-parallel replicas (max abs diff 3.1e-02)",
+        None,
+        None,
+        F.SILENT_CORRUPTION,
+    ),
+    (
         "replica-checksum-mismatch",
         "ERROR: parameter checksum mismatch across data-parallel replicas at step 41200",
         None,
@@ -475,6 +492,27 @@ CASES: list[tuple[str, str, int | None, int | str | None, FailureClass]] = [
         "nvrx-identify-stragglers",
         "{'straggler_gpus_relative': {StragglerId(rank=3, node='node-1')}, "
         "'straggler_gpus_individual': set()}",
+        None,
+        None,
+        F.SLOW_PEER,
+    ),
+    (
+        "straggler-detector",
+        "StragglerDetector: 2 stragglers detected: rank 40 (0.55), rank 41 (0.58)",
+        None,
+        None,
+        F.SLOW_PEER,
+    ),
+    (
+        "rank-is-a-straggler",
+        "[skyresume-agent] rank 12 is a straggler: step time p50 4.1s vs job p50 1.3s",
+        None,
+        None,
+        F.SLOW_PEER,
+    ),
+    (
+        "slow-node-detected",
+        "slow node detected: node-7 ran 38% below the median throughput for 20 steps",
         None,
         None,
         F.SLOW_PEER,
