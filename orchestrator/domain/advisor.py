@@ -194,3 +194,17 @@ def estimate_rate(
     a = prior_failures
     b = prior_failures / prior_rate_per_gpu_hour
     return MtbfEstimate(key, (a + n) / (b + e), n, e, b / (b + e))
+
+
+def advise_from_history(
+    key: PlacementKey,
+    history: Iterable[Exposure],
+    gpus: int,
+    save_seconds: float,
+    restart_seconds: float,
+) -> tuple[Advice, MtbfEstimate]:
+    """What the reconciler calls per running job: MTBF from this placement's history
+    (Llama 3 prior where it is thin), then Young's interval for the job's measured save
+    time. Push the interval only if :func:`interval_changed_meaningfully` says so."""
+    est = estimate_rate(key, history)
+    return advise(gpus, save_seconds, restart_seconds, est.mtbf_hours(gpus)), est

@@ -109,3 +109,16 @@ def test_more_failures_mean_shorter_mtbf() -> None:
 def test_small_interval_changes_are_not_pushed() -> None:
     assert not interval_changed_meaningfully(6000, 6500)
     assert interval_changed_meaningfully(6000, 3000)
+
+
+def test_flaky_placement_gets_a_shorter_interval_than_a_quiet_one() -> None:
+    from orchestrator.domain.advisor import advise_from_history
+
+    flaky = PlacementKey("aws", "us-east-1", "p5.48xlarge")
+    quiet = PlacementKey("gcp", "europe-west4", "a3-highgpu-8g")
+    hist = [Exposure(flaky, 5e5, 200), Exposure(quiet, 5e5, 1)]
+    a_flaky, e_flaky = advise_from_history(flaky, hist, 512, 60, 600)
+    a_quiet, _ = advise_from_history(quiet, hist, 512, 60, 600)
+    assert a_flaky.interval_seconds < a_quiet.interval_seconds
+    assert e_flaky.observed_failures == 200
+    assert interval_changed_meaningfully(a_quiet.interval_seconds, a_flaky.interval_seconds)
