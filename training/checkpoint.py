@@ -247,3 +247,94 @@ def load_distributed(state_dict: dict, step_dir: Path, *, process_group=None) ->
         no_dist=not distributed,
     )
     return manifest
+
+
+class Checkpointer:
+    """Periodic saves, sync or async, never more than one in flight.
+
+    Async: ``torch.distributed.checkpoint.async_save`` blocks only while the state is
+    copied to CPU memory; the write runs in the background on a process group of
+    its own (on the default group gloo aborts every rank when a background
+    collective overlaps the training ones). A save is finalized (shards gathered,
+    manifest and COMMIT written, old ones pruned) before the next one starts, at
+    ``wait()``, or at ``close()`` — every rank calls these at the same step, so the
+    collectives inside line up.
+    """
+
+    def __init__(
+        self, root: Path, *, keep: int = 3, use_async: bool = True, extra: dict | None = None
+    ) -> None:
+        import torch.distributed as dist
+
+        self.root = Path(root)
+        self.keep = keep
+        self.use_async = use_async
+        self.extra = dict(extra or {})
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self._rank = dist.get_rank() if self._distributed else 0
+        self._world = dist.get_world_size() if self._distributed else 1
+        self._group = dist.new_group(backend="gloo") if (use_async and self._distributed) else None
+        self._pending: tuple[int, object] | None = None
+        self.last_blocking_s: float | None = None
+
+    def save(self, state_dict: dict, step: int) -> None:
+        import time
+
+        self.wait()
+        t0 = time.perf_counter()
+        if not self.use_async:
+            save_distributed(state_dict, self.root, step, extra=self.extra)
+            self.last_blocking_s = time.perf_counter() - t0
+            self._prune()
+            return
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        step_dir = step_path(self.root, step)
+        if self._rank == 0:
+            if step_dir.exists() and not (step_dir / COMMIT_NAME).exists():
+                shutil.rmtree(step_dir)
+            step_dir.mkdir(parents=True, exist_ok=True)
+        if self._distributed:
+            dist.barrier(self._group)
+        future = dcp.async_save(
+            state_dict,
+            checkpoint_id=str(step_dir),
+            process_group=self._group,
+            no_dist=not self._distributed,
+        )
+        self.last_blocking_s = time.perf_counter() - t0
+        self._pending = (step, future)
+
+    def wait(self) -> int | None:
+        """Finish the save in flight, if any; returns its step once committed."""
+        if self._pending is None:
+            return None
+        import torch.distributed as dist
+
+        step, future = self._pending
+        self._pending = None
+        future.result()  # type: ignore[attr-defined]
+        step_dir = step_path(self.root, step)
+        mine = files_written_by_rank(step_dir, self._rank)
+        if self._distributed:
+            gathered: list[list[ManifestFile] | None] = [None] * self._world
+            dist.all_gather_object(gathered, mine, group=self._group)
+            files = [f for per_rank in gathered for f in (per_rank or [])]
+        else:
+            files = mine
+        if self._rank == 0:
+            commit_checkpoint(
+                step_dir, step=step, world_size=self._world, files=files, extra=self.extra
+            )
+        if self._distributed:
+            dist.barrier(self._group)
+        self._prune()
+        return step
+
+    def _prune(self) -> None:
+        if self._rank == 0:
+            prune(self.root, self.keep)
+
+    def close(self) -> None:
+        self.wait()

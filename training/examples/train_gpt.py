@@ -30,11 +30,10 @@ from torch import nn
 
 from orchestrator.contract import Env, ExitCode, manifest_digest
 from training.checkpoint import (
+    Checkpointer,
     CheckpointError,
     find_latest_complete,
     load_distributed,
-    prune,
-    save_distributed,
     verify_checkpoint,
 )
 from training.progress import ProgressReporter
@@ -108,6 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-uri", default=env.get(Env.CHECKPOINT_URI, ""))
     p.add_argument("--checkpoint-every", type=int, default=int(env.get(Env.CHECKPOINT_EVERY, 20)))
     p.add_argument("--keep", type=int, default=3)
+    p.add_argument("--sync-save", action="store_true", help="blocking saves instead of async")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-final", default="")
     p.add_argument("--resume-from", default=env.get(Env.RESUME_FROM, "latest"))
@@ -216,19 +216,37 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return ExitCode.RESUME_MISMATCH
 
-    def checkpoint(at: int) -> None:
-        if root is None:
+    ckpt = (
+        Checkpointer(
+            root,
+            keep=args.keep,
+            use_async=not args.sync_save,
+            extra={"global_batch": args.global_batch},
+        )
+        if root is not None
+        else None
+    )
+
+    def checkpoint(at: int, *, emergency: bool = False) -> None:
+        if ckpt is None:
             return
-        save_distributed(state(), root, at, extra={"global_batch": args.global_batch})
-        if rank == 0:
-            prune(root, args.keep)
-        reporter.send("checkpoint", step=at, path=str(root / f"step_{at}"))
+        if emergency:
+            ckpt.wait()  # the periodic save in flight first, then this one synchronously
+            ckpt.use_async = False
+        ckpt.save(state(), at)
+        if emergency:
+            ckpt.close()
+        reporter.send(
+            "checkpoint", step=at, path=str(root / f"step_{at}"), blocking_s=ckpt.last_blocking_s
+        )
 
     last_saved = step
     while step < args.max_steps:
         if stop.agreed():
             if last_saved != step:
-                checkpoint(step)
+                checkpoint(step, emergency=True)
+            elif ckpt is not None:
+                ckpt.close()
             print(f"rank {rank}: stop requested; saved step {step}", file=sys.stderr)
             return ExitCode.PREEMPTED_SAVED
         t0 = time.perf_counter()
@@ -274,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.checkpoint_every and step % args.checkpoint_every == 0 and step < args.max_steps:
             checkpoint(step)
             last_saved = step
+    if ckpt is not None:
+        ckpt.close()
     if args.save_final and rank == 0:
         torch.save(
             {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step},
