@@ -408,17 +408,24 @@ def download_ranges(
     attempts: int = 4,
     backoff: float = 0.2,
     on_bytes: Callable[[int], None] | None = None,
+    digests: dict[str, str] | None = None,
 ) -> None:
     """Download ``(key, local_path, size)`` objects, splitting each into ranges that
     run in parallel and land in place with ``os.pwrite``. Each range is retried on
-    its own, so a dropped connection re-fetches one range, not the file."""
+    its own, so a dropped connection re-fetches one range, not the file.
+
+    Objects that fit in one range are hashed in flight into ``digests`` (path ->
+    sha256), which saves re-reading them from disk to verify."""
     fds: dict[str, int] = {}
+    sizes: dict[int, int] = {}
+    paths: dict[int, str] = {}
     tasks: list[tuple[str, int, int, int]] = []
     try:
         for key, path, size in jobs:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             fds[path] = fd
+            sizes[fd], paths[fd] = size, path
             os.ftruncate(fd, size)
             tasks.extend(
                 (key, fd, off, min(part_size, size - off)) for off in range(0, size, part_size)
@@ -431,6 +438,8 @@ def download_ranges(
             )
             if len(data) != length:
                 raise ChecksumError(f"{key}: short read at {off} ({len(data)} of {length} bytes)")
+            if digests is not None and off == 0 and length == sizes[fd]:
+                digests[paths[fd]] = hashlib.sha256(data).hexdigest()
             os.pwrite(fd, data, off)
             if on_bytes:
                 on_bytes(length)
@@ -559,17 +568,19 @@ def _stage_one(
         else:
             todo.append(f)
     partial = {f.path: str(dest / f"{f.path}.partial") for f in todo}
+    digests: dict[str, str] = {}
     download_ranges(
         store,
         [(_join(info.key, f.path), partial[f.path], f.size) for f in todo],
         workers=workers,
         part_size=part_size,
         on_bytes=on_bytes,
+        digests=digests,
     )
 
     def verify(f: Any) -> None:
         p = partial[f.path]
-        got = file_sha256(p)
+        got = digests.get(p) or file_sha256(p)
         if got != f.sha256:
             Path(p).unlink(missing_ok=True)
             raise ChecksumError(
