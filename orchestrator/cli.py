@@ -28,6 +28,13 @@ app = typer.Typer(
 db_app = typer.Typer(help="Database schema (Alembic).", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 
+
+def _register_command_modules() -> None:
+    # Each area keeps its commands in orchestrator/commands/<area>.py (light imports).
+    from orchestrator.commands import failures
+
+    failures.register(app)
+
 console = Console()
 err_console = Console(stderr=True)
 
@@ -353,6 +360,9 @@ def db_current(db_url: Annotated[str | None, typer.Option("--db-url")] = None) -
         console.print(db.current_revision(url) or "base (empty)")
     except Exception as e:
         fail(f"cannot read {_redact(url)}: {type(e).__name__}: {e}")
+
+
+_register_command_modules()
 
 
 def main() -> None:
