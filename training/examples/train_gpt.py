@@ -36,6 +36,7 @@ from training.checkpoint import (
     load_distributed,
     verify_checkpoint,
 )
+from training.knobs import plan_batch
 from training.progress import ProgressReporter
 from training.resume import ResumeMismatch, agree_on_resume
 from training.signals import StopRequest
@@ -145,13 +146,15 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if args.global_batch % world:
-        sys.exit(f"error: --global-batch {args.global_batch} is not divisible by {world} ranks")
-    per_rank = args.global_batch // world
-    micro = min(args.micro_batch or per_rank, per_rank)
-    if per_rank % micro:
-        sys.exit(f"error: micro-batch {micro} does not divide the per-rank batch {per_rank}")
-    accum = per_rank // micro
+    try:
+        batch_plan = plan_batch(args.global_batch, world, args.micro_batch)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    per_rank, micro, accum = (
+        batch_plan.per_rank_batch,
+        batch_plan.micro_batch,
+        batch_plan.grad_accum,
+    )
     stop = StopRequest()
     reporter = ProgressReporter(rank=rank)
 
