@@ -31,8 +31,9 @@ app.add_typer(db_app, name="db")
 
 def _register_command_modules() -> None:
     # Each area keeps its commands in orchestrator/commands/<area>.py (light imports).
-    from orchestrator.commands import failures
+    from orchestrator.commands import cloud, failures
 
+    cloud.register(app)
     failures.register(app)
 
 console = Console()
