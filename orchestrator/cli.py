@@ -36,6 +36,7 @@ def _register_command_modules() -> None:
     cloud.register(app)
     failures.register(app)
 
+
 console = Console()
 err_console = Console(stderr=True)
 
