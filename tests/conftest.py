@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from testkit import reset_postgres
 
 PG_BASE = os.environ.get("SKYRESUME_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 
@@ -40,21 +41,13 @@ def postgres_server_url() -> Iterator[str]:
     _pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-def _reset_postgres(url: str) -> None:
-    import psycopg
-
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("DROP SCHEMA public CASCADE")
-        conn.execute("CREATE SCHEMA public")
-
-
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def empty_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """An empty database on each backend (no schema)."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'test.db'}"
     url = request.getfixturevalue("postgres_server_url")
-    _reset_postgres(url)
+    reset_postgres(url)
     return url
 
 
@@ -90,21 +83,3 @@ def client(app):  # type: ignore[no-untyped-def]
     with TestClient(app) as c:
         c.headers["Authorization"] = f"Bearer {app.state.token}"
         yield c
-
-
-def job_spec(**overrides):  # type: ignore[no-untyped-def]
-    """A valid job spec document; keyword arguments replace top-level fields."""
-    doc = {
-        "name": "gpt-small",
-        "task": {"template": "gpt-cpu", "command": "python -m training.examples.train_gpt"},
-        "num_nodes": 2,
-        "min_nodes": 1,
-        "ranks_per_node": 2,
-        "accelerators": ["A100:8", "nvidia:40GB+:8"],
-        "spot": True,
-        "clouds": ["aws", "gcp"],
-        "regions": ["us-east-1"],
-        "checkpoint": {"uri": "file:///tmp/skyresume-ckpt", "every_steps": 50, "keep": 2},
-    }
-    doc.update(overrides)
-    return doc

@@ -262,11 +262,20 @@ class Checkpointer:
     """
 
     def __init__(
-        self, root: Path, *, keep: int = 3, use_async: bool = True, extra: dict | None = None
+        self,
+        root: Path,
+        *,
+        keep: int = 3,
+        use_async: bool = True,
+        extra: dict | None = None,
+        upload_uri: str | None = None,
     ) -> None:
+        """``root`` is the fast local tier. With ``upload_uri`` (file://, s3://,
+        gs://), every committed save is then copied there, COMMIT last."""
         import torch.distributed as dist
 
         self.root = Path(root)
+        self.upload_uri = upload_uri
         self.keep = keep
         self.use_async = use_async
         self.extra = dict(extra or {})
@@ -285,6 +294,7 @@ class Checkpointer:
         if not self.use_async:
             save_distributed(state_dict, self.root, step, extra=self.extra)
             self.last_blocking_s = time.perf_counter() - t0
+            self._upload(step)
             self._prune()
             return
         import torch.distributed as dist
@@ -329,8 +339,53 @@ class Checkpointer:
             )
         if self._distributed:
             dist.barrier(self._group)
+        self._upload(step)
         self._prune()
         return step
+
+    def _upload(self, step: int) -> None:
+        """Copy a committed local save to ``upload_uri``: each rank its own shards
+        (nodes share no disk), then rank 0 checks the listing against the manifest
+        and writes manifest.json and, last, COMMIT. Any failure raises before
+        COMMIT, so the remote copy is never taken for complete when it is not."""
+        if not self.upload_uri:
+            return
+        import torch.distributed as dist
+
+        from orchestrator.cloud.storage import StorageError, store_for_uri
+
+        store, prefix = store_for_uri(self.upload_uri)
+        step_dir = step_path(self.root, step)
+        key = "/".join(p for p in (prefix, step_dir.name) if p)
+        names = [p.name for p in step_dir.glob(f"__{self._rank}_*.distcp")]
+        if self._rank == 0:
+            names.append(".metadata")
+        failed = ""
+        try:
+            for name in names:
+                store.put_file(str(step_dir / name), f"{key}/{name}")
+        except StorageError as e:
+            failed = str(e)
+        if self._distributed:
+            errors: list[str | None] = [None] * self._world
+            dist.all_gather_object(errors, failed, group=self._group)
+            failed = "; ".join(e for e in errors if e)
+        if failed:
+            raise CheckpointError(f"upload of step {step} to {self.upload_uri} failed: {failed}")
+        if self._rank == 0:
+            manifest_bytes = (step_dir / MANIFEST_NAME).read_bytes()
+            manifest = Manifest.from_json(manifest_bytes)
+            listed = {o.key.rsplit("/", 1)[-1]: o.size for o in store.list(key + "/")}
+            for f in manifest.files:
+                if listed.get(f.path) != f.size:
+                    raise CheckpointError(
+                        f"{self.upload_uri}/{step_dir.name}/{f.path}: not uploaded at "
+                        f"{f.size} bytes (found {listed.get(f.path)})"
+                    )
+            store.put_bytes(f"{key}/{MANIFEST_NAME}", manifest_bytes)
+            store.put_bytes(f"{key}/{COMMIT_NAME}", (step_dir / COMMIT_NAME).read_bytes())
+        if self._distributed:
+            dist.barrier(self._group)
 
     def _prune(self) -> None:
         if self._rank == 0:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import yaml
-from conftest import job_spec
+from testkit import job_spec
 
 from orchestrator.domain.status import JobStatus
 from orchestrator.store import repo

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from conftest import job_spec
+from testkit import job_spec
 
 SKYRESUME = [sys.executable, "-m", "orchestrator.cli"]
 
@@ -54,11 +54,11 @@ def service(tmp_path: Path, request: pytest.FixtureRequest):
 
 @pytest.fixture
 def db_url_postgres(postgres_server_url):
-    from conftest import _reset_postgres
+    from testkit import reset_postgres
 
     from orchestrator.store import db
 
-    _reset_postgres(postgres_server_url)
+    reset_postgres(postgres_server_url)
     db.upgrade(postgres_server_url)
     return postgres_server_url
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from conftest import job_spec
+from testkit import job_spec
 
 from orchestrator.domain.spec import (
     MAX_SPEC_BYTES,

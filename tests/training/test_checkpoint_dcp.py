@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from testkit import kill_tree
 
 from orchestrator.contract import parse_step_dir
 from training.checkpoint import find_latest_complete, load_distributed, verify_checkpoint
@@ -68,7 +69,7 @@ def test_sigkill_during_saves_never_leaves_a_partial_checkpoint_chosen(tmp_path)
         while find_latest_complete(root, deep=False) is None and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(rng.uniform(0.0, 1.5))
-        os.killpg(proc.pid, signal.SIGKILL)  # the whole group: torchrun and its ranks
+        kill_tree(proc.pid, signal.SIGKILL)  # torchrun and every rank at once
         proc.wait(timeout=30)
         found = find_latest_complete(root)
         assert found is not None

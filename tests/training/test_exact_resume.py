@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from testkit import kill_tree
 
 from orchestrator.contract import ExitCode
 from training.checkpoint import find_latest_complete
@@ -92,7 +93,7 @@ def test_sigterm_and_sigkill_resumes_end_bitwise_equal_to_an_uninterrupted_run(t
     run = _train(tmp_path, "kill", "--step-sleep", "0.1")
     _wait_for_checkpoint(tmp_path / "kill", run)
     time.sleep(0.5)
-    os.killpg(run.pid, signal.SIGKILL)
+    kill_tree(run.pid, signal.SIGKILL)
     run.wait(timeout=30)
     resumed = _train(tmp_path, "kill")
     out = _finish(resumed)

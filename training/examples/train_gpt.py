@@ -19,6 +19,7 @@ import argparse
 import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -108,6 +109,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-uri", default=env.get(Env.CHECKPOINT_URI, ""))
     p.add_argument("--checkpoint-every", type=int, default=int(env.get(Env.CHECKPOINT_EVERY, 20)))
     p.add_argument("--keep", type=int, default=3)
+    p.add_argument(
+        "--local-dir",
+        default=env.get(Env.LOCAL_CHECKPOINT_DIR, ""),
+        help="local tier for s3:// and gs:// checkpoint URIs (saves land here first)",
+    )
     p.add_argument("--sync-save", action="store_true", help="blocking saves instead of async")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-final", default="")
@@ -130,13 +136,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _checkpoint_root(uri: str) -> Path | None:
+def _checkpoint_tiers(uri: str, local_dir: str) -> tuple[Path | None, str | None]:
+    """(local tier, remote URI to upload to). A file:// URI is used directly."""
     if not uri:
-        return None
+        return None, None
     parsed = urlparse(uri)
-    if parsed.scheme not in ("file", ""):
-        sys.exit(f"error: --checkpoint-uri {uri}: only file:// is supported by this script yet")
-    return Path(parsed.path)
+    if parsed.scheme in ("file", ""):
+        return Path(parsed.path), None
+    if parsed.scheme not in ("s3", "gs"):
+        sys.exit(f"error: --checkpoint-uri {uri}: use file://, s3:// or gs://")
+    import hashlib
+
+    default = (
+        Path(tempfile.gettempdir())
+        / "skyresume-local"
+        / hashlib.sha256(uri.encode()).hexdigest()[:12]
+    )
+    return Path(local_dir) if local_dir else default, uri
+
+
+def _stage_remote(uri: str, local_root: Path) -> None:
+    """Bring the newest complete remote checkpoint to this node's disk (one rank
+    per node does it; the others wait at the barrier that follows)."""
+    from orchestrator.cloud.storage import StorageError, list_checkpoints, stage_checkpoint
+
+    if not any(c.complete for c in list_checkpoints(uri)):
+        return  # nothing saved yet: a fresh start
+    try:
+        staged = stage_checkpoint(uri, str(local_root))
+    except StorageError as e:
+        print(f"error: staging {uri}: {e}", file=sys.stderr)
+        raise
+    print(f"staged step {staged.step} from {uri}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,9 +214,14 @@ def main(argv: list[str] | None = None) -> int:
             "rng": {f"rank{rank}": torch.get_rng_state()},
         }
 
-    root = _checkpoint_root(args.checkpoint_uri)
+    root, upload_uri = _checkpoint_tiers(args.checkpoint_uri, args.local_dir)
     step, digest = 0, None
     if args.resume_from != "none" and root is not None:
+        if args.resume_from == "latest" and upload_uri:
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+                _stage_remote(upload_uri, root)
+            if dist.is_initialized():
+                dist.barrier()
         if args.resume_from == "latest":
             found = find_latest_complete(root)
             for path, why in found.rejected if found else ():
@@ -225,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             keep=args.keep,
             use_async=not args.sync_save,
             extra={"global_batch": args.global_batch},
+            upload_uri=upload_uri,
         )
         if root is not None
         else None

@@ -1,0 +1,51 @@
+"""Factories and helpers shared by the test folders. A module of its own (not
+conftest) because several folders have a conftest and the name would collide."""
+
+from __future__ import annotations
+
+
+def reset_postgres(url: str) -> None:
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("DROP SCHEMA public CASCADE")
+        conn.execute("CREATE SCHEMA public")
+
+
+def job_spec(**overrides):  # type: ignore[no-untyped-def]
+    """A valid job spec document; keyword arguments replace top-level fields."""
+    doc = {
+        "name": "gpt-small",
+        "task": {"template": "gpt-cpu", "command": "python -m training.examples.train_gpt"},
+        "num_nodes": 2,
+        "min_nodes": 1,
+        "ranks_per_node": 2,
+        "accelerators": ["A100:8", "nvidia:40GB+:8"],
+        "spot": True,
+        "clouds": ["aws", "gcp"],
+        "regions": ["us-east-1"],
+        "checkpoint": {"uri": "file:///tmp/skyresume-ckpt", "every_steps": 50, "keep": 2},
+    }
+    doc.update(overrides)
+    return doc
+
+
+def kill_tree(pid: int, sig: int) -> None:
+    """Signal a process and every descendant at once, as losing a node does.
+
+    torchrun starts each worker in its own session, so killing torchrun's process
+    group leaves the ranks running as orphans (DESIGN.md): collect the tree first.
+    """
+    import contextlib
+
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    procs = [root, *root.children(recursive=True)]
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(sig)
+    psutil.wait_procs(procs, timeout=30)
