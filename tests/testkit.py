@@ -3,6 +3,11 @@ conftest) because several folders have a conftest and the name would collide."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 
 def reset_postgres(url: str) -> None:
     import psycopg
@@ -49,3 +54,26 @@ def kill_tree(pid: int, sig: int) -> None:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.send_signal(sig)
     psutil.wait_procs(procs, timeout=30)
+
+
+def torchrun(*args: str, nproc: int = 2, pythonpath: str = "") -> subprocess.Popen:
+    """``torchrun --standalone`` on CPU with one thread per rank, output captured.
+
+    ``args`` follow torchrun's own options: a script path or ``-m module``, then
+    the script's arguments. skyresume owns restarts, so ``--max-restarts=0``.
+    """
+    root = Path(__file__).resolve().parents[1]
+    path = f"{root}:{pythonpath}" if pythonpath else str(root)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=0",
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )

@@ -6,28 +6,20 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from testkit import torchrun
 
 from orchestrator.cloud.storage import list_checkpoints
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
 
 
 def _train(uri: str, local: Path, final: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "--max-restarts=0",
+    return torchrun(
         "-m",
         "training.examples.train_gpt",
         "--max-steps",
@@ -41,9 +33,6 @@ def _train(uri: str, local: Path, final: Path, *extra: str) -> subprocess.Popen:
         "--save-final",
         str(final),
         *extra,
-    ]
-    return subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
@@ -12,31 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from testkit import kill_tree
+from testkit import kill_tree, torchrun
 
 from orchestrator.contract import parse_step_dir
 from training.checkpoint import find_latest_complete, load_distributed, verify_checkpoint
 
 WORKER = Path(__file__).with_name("dcp_worker.py")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _torchrun(mode: str, root: Path, nproc: int = 2) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{WORKER.parent}", "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "--max-restarts=0",
-        str(WORKER),
-        mode,
-        str(root),
-    ]
-    return subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    return torchrun(str(WORKER), mode, str(root), nproc=nproc, pythonpath=str(WORKER.parent))
 
 
 @pytest.mark.slow

@@ -6,30 +6,21 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from testkit import kill_tree
+from testkit import kill_tree, torchrun
 
 from orchestrator.contract import ExitCode
 from training.checkpoint import find_latest_complete
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 16
 
 
 def _train(tmp: Path, name: str, *extra: str, nproc: int = 2) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "--max-restarts=0",
+    return torchrun(
         "-m",
         "training.examples.train_gpt",
         "--max-steps",
@@ -41,9 +32,7 @@ def _train(tmp: Path, name: str, *extra: str, nproc: int = 2) -> subprocess.Pope
         "--save-final",
         str(tmp / f"{name}.pt"),
         *extra,
-    ]
-    return subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        nproc=nproc,
     )
 
 
