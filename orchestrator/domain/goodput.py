@@ -18,19 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 
 from orchestrator.domain.failures import FailureClass
-
-
-class ProtocolStep(StrEnum):
-    DETECT = "detect"
-    SIGNAL_CHECKPOINT = "signal_checkpoint"
-    CONFIRM_CHECKPOINT = "confirm_checkpoint"
-    SELECT_REPLACEMENT = "select_replacement"
-    STAGE_CHECKPOINT = "stage_checkpoint"
-    LAUNCH = "launch"
-    VALIDATE = "validate"
+from orchestrator.domain.protocol import ProtocolStep
 
 
 @dataclass(frozen=True)

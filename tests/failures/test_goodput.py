@@ -20,10 +20,10 @@ def _incident(start: float, *, lost: int = 0, cls: FailureClass = FailureClass.N
     steps = []
     for step, d in [
         (P.DETECT, 5),
-        (P.SIGNAL_CHECKPOINT, 10),
+        (P.SIGNAL, 10),
         (P.CONFIRM_CHECKPOINT, 10),
         (P.SELECT_REPLACEMENT, 10),
-        (P.STAGE_CHECKPOINT, 60),
+        (P.STAGE, 60),
         (P.LAUNCH, 120),
         (P.VALIDATE, 5),
     ]:
@@ -44,7 +44,7 @@ def test_incident_splits_into_mttr_steps_lost_work_and_dollars() -> None:
     r = account_goodput(run)
     inc = r.incidents[0]
     assert inc.mttr_seconds == 220
-    assert inc.step_seconds[P.STAGE_CHECKPOINT] == 60
+    assert inc.step_seconds[P.STAGE] == 60
     assert inc.lost_work_seconds == 60  # 30 steps x 2 s
     assert inc.dollars == pytest.approx((220 + 60) * 16 * 3.0 / 3600)
     assert r.productive_seconds == 36_000 - 220 - 60 - 100
