@@ -24,11 +24,13 @@ def main() -> None:
     dist.init_process_group("gloo")
     if mode == "once":
         save_distributed(model_state(7), root, 7, extra={"note": "test"})
+        print(f"rank {dist.get_rank()}: committed", flush=True)
     else:  # forever: a new step every iteration until killed
         step = 1
         while True:
             save_distributed(model_state(step), root, step)
             step += 1
+    dist.barrier()
     dist.destroy_process_group()
 
 
