@@ -318,21 +318,26 @@ def cancel(job_id: str, output: OutputOpt = Output.table) -> None:
         console.print(f"{job['id']}: {job['status']}")
 
 
+def _migrate(action: str, revision: str, db_url: str | None) -> None:
+    from orchestrator.store import db
+
+    url = db_url or _settings().effective_database_url
+    move = db.upgrade if action == "upgrade" else db.downgrade
+    try:
+        move(url, revision)
+        rev = db.current_revision(url)
+    except Exception as e:
+        fail(f"{action} of {_redact(url)} failed: {type(e).__name__}: {e}")
+    console.print(f"{_redact(url)} is at revision {rev or 'base'}")
+
+
 @db_app.command("upgrade")
 def db_upgrade(
     revision: Annotated[str, typer.Argument()] = "head",
     db_url: Annotated[str | None, typer.Option("--db-url")] = None,
 ) -> None:
     """Upgrade the schema to REVISION (default head)."""
-    from orchestrator.store import db
-
-    url = db_url or _settings().effective_database_url
-    try:
-        db.upgrade(url, revision)
-        rev = db.current_revision(url)
-    except Exception as e:
-        fail(f"upgrade of {_redact(url)} failed: {type(e).__name__}: {e}")
-    console.print(f"{_redact(url)} is at revision {rev}")
+    _migrate("upgrade", revision, db_url)
 
 
 @db_app.command("downgrade")
@@ -341,15 +346,7 @@ def db_downgrade(
     db_url: Annotated[str | None, typer.Option("--db-url")] = None,
 ) -> None:
     """Downgrade the schema (drops what later revisions added)."""
-    from orchestrator.store import db
-
-    url = db_url or _settings().effective_database_url
-    try:
-        db.downgrade(url, revision)
-        rev = db.current_revision(url)
-    except Exception as e:
-        fail(f"downgrade of {_redact(url)} failed: {type(e).__name__}: {e}")
-    console.print(f"{_redact(url)} is at revision {rev or 'base'}")
+    _migrate("downgrade", revision, db_url)
 
 
 @db_app.command("current")

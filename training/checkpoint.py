@@ -19,13 +19,13 @@ and the next-newest complete checkpoint is offered instead.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from orchestrator.cloud.storage import file_sha256
 from orchestrator.contract import (
     COMMIT_NAME,
     MANIFEST_NAME,
@@ -38,19 +38,9 @@ from orchestrator.contract import (
     step_dir_name,
 )
 
-_HASH_CHUNK = 4 << 20
-
 
 class CheckpointError(RuntimeError):
     """A checkpoint that must not be loaded. The message names the file and why."""
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -71,7 +61,7 @@ def files_written_by_rank(step_dir: Path, rank: int) -> list[ManifestFile]:
     out = []
     for name in names:
         p = step_dir / name
-        out.append(ManifestFile(name, p.stat().st_size, sha256_file(p)))
+        out.append(ManifestFile(name, p.stat().st_size, file_sha256(str(p))))
     return out
 
 
@@ -125,7 +115,7 @@ def verify_checkpoint(step_dir: Path, *, deep: bool = True) -> Manifest:
         size = p.stat().st_size
         if size != f.size:
             raise CheckpointError(f"{p}: {size} bytes, manifest says {f.size} (truncated?)")
-        if deep and sha256_file(p) != f.sha256:
+        if deep and file_sha256(str(p)) != f.sha256:
             raise CheckpointError(f"{p}: checksum mismatch (corrupted)")
     return manifest
 
@@ -204,32 +194,53 @@ def save_distributed(
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(process_group) if distributed else 0
     world = dist.get_world_size(process_group) if distributed else 1
-    if rank == 0:
-        # A leftover partial directory of the same step (a save killed earlier)
-        # must not contribute stale shards to this one.
-        if step_dir.exists() and not (step_dir / COMMIT_NAME).exists():
-            shutil.rmtree(step_dir)
-        step_dir.mkdir(parents=True, exist_ok=True)
-    if distributed:
-        dist.barrier(process_group)
+    _prepare_step_dir(step_dir, rank, process_group if distributed else _NO_GROUP)
     dcp.save(
         state_dict,
         checkpoint_id=str(step_dir),
         process_group=process_group,
         no_dist=not distributed,
     )
+    _gather_and_commit(
+        step_dir, step, rank, world, process_group if distributed else _NO_GROUP, extra
+    )
+    return step_dir
+
+
+#: Marks "not distributed": no collectives at all (None means the default group).
+_NO_GROUP = object()
+
+
+def _prepare_step_dir(step_dir: Path, rank: int, group) -> None:
+    """Rank 0 clears a leftover partial directory of this step (a save killed
+    earlier must not contribute stale shards) and creates it; all ranks wait."""
+    if rank == 0:
+        if step_dir.exists() and not (step_dir / COMMIT_NAME).exists():
+            shutil.rmtree(step_dir)
+        step_dir.mkdir(parents=True, exist_ok=True)
+    if group is not _NO_GROUP:
+        import torch.distributed as dist
+
+        dist.barrier(group)
+
+
+def _gather_and_commit(step_dir: Path, step: int, rank: int, world: int, group, extra) -> None:
+    """Each rank hashes its own files (nodes share no disk); rank 0 gathers the
+    lists and commits; every rank returns once COMMIT exists."""
     mine = files_written_by_rank(step_dir, rank)
-    if distributed:
+    files = mine
+    if group is not _NO_GROUP:
+        import torch.distributed as dist
+
         gathered: list[list[ManifestFile] | None] = [None] * world
-        dist.all_gather_object(gathered, mine, group=process_group)
+        dist.all_gather_object(gathered, mine, group=group)
         files = [f for per_rank in gathered for f in (per_rank or [])]
-    else:
-        files = mine
     if rank == 0:
         commit_checkpoint(step_dir, step=step, world_size=world, files=files, extra=extra)
-    if distributed:
-        dist.barrier(process_group)
-    return step_dir
+    if group is not _NO_GROUP:
+        import torch.distributed as dist
+
+        dist.barrier(group)
 
 
 def load_distributed(state_dict: dict, step_dir: Path, *, process_group=None) -> Manifest:
@@ -283,6 +294,8 @@ class Checkpointer:
         self._rank = dist.get_rank() if self._distributed else 0
         self._world = dist.get_world_size() if self._distributed else 1
         self._group = dist.new_group(backend="gloo") if (use_async and self._distributed) else None
+        # What collectives use: the async group, or none at all outside torchrun.
+        self._coll_group = self._group if self._distributed else _NO_GROUP
         self._pending: tuple[int, object] | None = None
         self.last_blocking_s: float | None = None
 
@@ -297,16 +310,10 @@ class Checkpointer:
             self._upload(step)
             self._prune()
             return
-        import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
         step_dir = step_path(self.root, step)
-        if self._rank == 0:
-            if step_dir.exists() and not (step_dir / COMMIT_NAME).exists():
-                shutil.rmtree(step_dir)
-            step_dir.mkdir(parents=True, exist_ok=True)
-        if self._distributed:
-            dist.barrier(self._group)
+        _prepare_step_dir(step_dir, self._rank, self._coll_group)
         future = dcp.async_save(
             state_dict,
             checkpoint_id=str(step_dir),
@@ -320,25 +327,18 @@ class Checkpointer:
         """Finish the save in flight, if any; returns its step once committed."""
         if self._pending is None:
             return None
-        import torch.distributed as dist
 
         step, future = self._pending
         self._pending = None
         future.result()  # type: ignore[attr-defined]
-        step_dir = step_path(self.root, step)
-        mine = files_written_by_rank(step_dir, self._rank)
-        if self._distributed:
-            gathered: list[list[ManifestFile] | None] = [None] * self._world
-            dist.all_gather_object(gathered, mine, group=self._group)
-            files = [f for per_rank in gathered for f in (per_rank or [])]
-        else:
-            files = mine
-        if self._rank == 0:
-            commit_checkpoint(
-                step_dir, step=step, world_size=self._world, files=files, extra=self.extra
-            )
-        if self._distributed:
-            dist.barrier(self._group)
+        _gather_and_commit(
+            step_path(self.root, step),
+            step,
+            self._rank,
+            self._world,
+            self._coll_group,
+            self.extra,
+        )
         self._upload(step)
         self._prune()
         return step

@@ -29,13 +29,8 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
-def as_utc(dt: datetime) -> datetime:
-    """SQLite returns naive datetimes; everything we store is UTC."""
-    return dt if dt.tzinfo else dt.replace(tzinfo=UTC)
-
-
 class NotFound(LookupError):
-    pass
+    """No row with that id; the API turns it into a 404."""
 
 
 def new_job_id() -> str:
