@@ -68,6 +68,15 @@ def downgrade(url: str, revision: str = "base") -> None:
     command.downgrade(_alembic_config(url), revision)
 
 
+def head_revision() -> str:
+    """The newest revision in ``migrations/`` (what ``upgrade`` goes to)."""
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(_alembic_config("sqlite://")).get_current_head()
+    assert head is not None, "migrations/ has no revisions"
+    return str(head)
+
+
 def current_revision(url: str) -> str | None:
     from alembic.runtime.migration import MigrationContext
 

@@ -110,6 +110,15 @@ class Attempt(Base):
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     end_reason: Mapped[str | None] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(String(16), default="launching")
+    """launching | running | stopping | ended"""
+    launcher: Mapped[str | None] = mapped_column(String(32))
+    handle: Mapped[dict | None] = mapped_column(JSON)
+    """What the launcher needs to query or tear the attempt down (LaunchHandle)."""
+    validated_step: Mapped[int | None] = mapped_column(Integer)
+    """The step every rank reported resuming at, once all agreed."""
+    incident_id: Mapped[int | None] = mapped_column(Integer)
+    """The failure event this attempt recovers from (None for the first launch)."""
 
 
 class Node(Base):
@@ -126,6 +135,34 @@ class Node(Base):
     last_heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     progress: Mapped[dict] = mapped_column(JSON, default=dict)
     registered_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class NodeCommand(Base):
+    """A command for the agents of one attempt (``node_id`` None = every node).
+
+    ``id`` is the cursor agents long-poll with; commands are kept, so an agent that
+    reconnects gets what it missed."""
+
+    __tablename__ = "node_commands"
+    __table_args__ = (Index("ix_node_commands_job_attempt", "job_id", "attempt"),)
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    node_id: Mapped[str | None] = mapped_column(String(64))
+    type: Mapped[str] = mapped_column(String(32))
+    args: Mapped[dict] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Lease(Base):
+    """Leader election for the reconciler: one holder per name until ``expires_at``."""
+
+    __tablename__ = "leases"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(128))
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
 class Checkpoint(Base):
