@@ -52,6 +52,9 @@ class Env:
     MICRO_BATCH = "SKYRESUME_RUN_MICRO_BATCH"
     GRAD_ACCUM = "SKYRESUME_RUN_GRAD_ACCUM"
     GLOBAL_BATCH = "SKYRESUME_RUN_GLOBAL_BATCH"
+    #: A JSON file the agent rewrites when the service pushes a new setting while the
+    #: job runs (``{"checkpoint_every": N}``); the training library re-reads it.
+    CONTROL_FILE = "SKYRESUME_RUN_CONTROL_FILE"
 
 
 class ExitCode(IntEnum):
@@ -189,6 +192,13 @@ def check_commit(commit_bytes: bytes, manifest_bytes: bytes, *, source: str = "C
 
 # --- progress channel (rank -> agent, UDP datagrams on loopback) ---------------------
 
-#: Every datagram is one JSON object with a "type" of these.
-PROGRESS_TYPES = frozenset({"progress", "anomaly", "checkpoint", "exit"})
+#: Every datagram is one JSON object with a "type" of these, plus "rank" and "ts":
+#:
+#: * ``progress``: step, step_time, loss, grad_norm, samples_per_s (every step)
+#: * ``resumed``: step, manifest_digest (once, after every rank agreed on what it
+#:   loaded and before the first optimizer step; step 0 / digest None = fresh start)
+#: * ``checkpoint``: step, path, uploaded_uri, world_size (rank 0, after a commit)
+#: * ``anomaly``: kind (nan | spike | straggler | silent_corruption), step, detail
+#: * ``exit``: code, reason (best effort, just before a deliberate exit)
+PROGRESS_TYPES = frozenset({"progress", "resumed", "anomaly", "checkpoint", "exit"})
 MAX_DATAGRAM = 8192
