@@ -50,3 +50,13 @@ def read_client_token(settings: Settings) -> str | None:
 
 def token_matches(given: str, expected: str) -> bool:
     return secrets.compare_digest(given.encode(), expected.encode())
+
+
+def job_token(service_token: str, job_id: str) -> str:
+    """The bearer token a job's agents and ranks use: HMAC-SHA256 of the job id keyed
+    by the service token. It opens that job's agent routes and nothing else, so a
+    leaked node credential cannot touch other jobs or operator routes."""
+    import hashlib
+    import hmac
+
+    return hmac.new(service_token.encode(), job_id.encode(), hashlib.sha256).hexdigest()

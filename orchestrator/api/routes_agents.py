@@ -1,0 +1,277 @@
+"""Agent -> service routes: register, heartbeat, commands (long-poll), reports.
+
+The protocol is written down in docs/agent.md. Auth is the operator token or the
+job's own token (``auth.job_token``), which opens only this job's routes.
+
+The command long-poll is async and checks the database every ~100 ms, each check
+in a worker thread with its own short session, so no connection or transaction is
+held across the sleeps and a waiting agent never blocks other requests (64 nodes
+waiting at once is the normal state of a running job).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, status
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from orchestrator.api.auth import job_token, token_matches
+from orchestrator.api.deps import SessionDep
+from orchestrator.store import agents
+from orchestrator.store.repo import NotFound
+
+#: The longest a command long-poll may wait; agents ask for less.
+MAX_WAIT_S = 30.0
+#: How often a waiting long-poll looks for new commands.
+POLL_INTERVAL_S = 0.1
+#: The heartbeat period the service expects (an agent may be told to use it).
+HEARTBEAT_S = 1.0
+
+
+def require_job_access(request: Request, job_id: str) -> None:
+    """The operator token, or the job token of *this* job."""
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED,
+            "missing bearer token (Authorization: Bearer <token>)",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    service_token: str = request.app.state.token
+    if token_matches(token, service_token) or token_matches(
+        token, job_token(service_token, job_id)
+    ):
+        return
+    raise HTTPException(
+        status.HTTP_401_UNAUTHORIZED,
+        "invalid token for this job",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+router = APIRouter(
+    prefix="/v1/jobs/{job_id}/attempts/{attempt}/nodes/{node_id}",
+    tags=["agents"],
+    dependencies=[Depends(require_job_access)],
+)
+
+AttemptPath = Annotated[int, Path(ge=0, description="attempt number")]
+NodePath = Annotated[
+    str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
+]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RankInfo(_Body):
+    rank: int = Field(ge=0)
+    local_rank: int = Field(ge=0)
+    pid: int | None = Field(default=None, ge=1)
+
+
+class RegisterIn(_Body):
+    node_rank: int = Field(ge=0)
+    hostname: str | None = Field(default=None, max_length=255)
+    agent_pid: int | None = Field(default=None, ge=1)
+    provider: str | None = Field(default=None, max_length=16)
+    ranks: list[RankInfo] = Field(default_factory=list, max_length=4096)
+
+
+class RegisterOut(BaseModel):
+    heartbeat_s: float
+    command_cursor: int
+    """Long-poll commands after this id (what this node already acknowledged)."""
+
+
+# Non-finite floats are refused: PostgreSQL's JSON type cannot store NaN, and an
+# agent sends null for a NaN loss (the anomaly report says what happened).
+_Float = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class RankProgress(_Body):
+    rank: int = Field(ge=0)
+    local_rank: int = Field(ge=0)
+    pid: int | None = Field(default=None, ge=1)
+    alive: bool
+    step: int | None = None
+    step_time: _Float | None = None
+    loss: _Float | None = None
+    grad_norm: _Float | None = None
+    report_age_s: _Float | None = None
+    """Seconds since this rank's last datagram (None: it never sent one)."""
+
+
+class LastCheckpoint(_Body):
+    step: int = Field(ge=0)
+    path: str | None = Field(default=None, max_length=4096)
+    uploaded_uri: str | None = Field(default=None, max_length=4096)
+
+
+class HeartbeatIn(_Body):
+    state: Literal["starting", "running", "stopping", "exited"]
+    ranks: list[RankProgress] = Field(default_factory=list, max_length=4096)
+    last_checkpoint: LastCheckpoint | None = None
+    acked_command: int | None = Field(default=None, ge=0)
+
+
+class CommandOut(BaseModel):
+    seq: int
+    type: str
+    args: dict[str, Any]
+
+
+class CommandsOut(BaseModel):
+    commands: list[CommandOut]
+
+
+class _Report(_Body):
+    key: str = Field(min_length=1, max_length=64)
+
+
+class PreemptionNoticeReport(_Report):
+    kind: Literal["preemption_notice"]
+    provider: str = Field(max_length=16)
+    notice_kind: str = Field(max_length=32)
+    deadline: str | None = Field(default=None, max_length=64)
+    detail: Any = None
+
+
+class RankExitReport(_Report):
+    kind: Literal["rank_exit"]
+    rank: int = Field(ge=0)
+    local_rank: int = Field(ge=0)
+    exit_code: int | None
+    signal: str | None = Field(default=None, max_length=16)
+    log_tail: list[Annotated[str, Field(max_length=4096)]] = Field(
+        default_factory=list, max_length=200
+    )
+
+
+class AnomalyReport(_Report):
+    kind: Literal["anomaly"]
+    rank: int = Field(ge=0)
+    finding: Literal["nan_divergence", "slow_peer", "silent_corruption"]
+    step: int | None = None
+    detail: Any = None
+
+
+class CheckpointReport(_Report):
+    kind: Literal["checkpoint"]
+    step: int = Field(ge=0)
+    path: str | None = Field(default=None, max_length=4096)
+    uploaded_uri: str | None = Field(default=None, max_length=4096)
+    world_size: int | None = Field(default=None, ge=1)
+
+
+class NodeExitReport(_Report):
+    kind: Literal["node_exit"]
+    exit_code: int
+    reason: str = Field(max_length=1024)
+    saved_step: int | None = None
+
+
+Report = Annotated[
+    PreemptionNoticeReport | RankExitReport | AnomalyReport | CheckpointReport | NodeExitReport,
+    Field(discriminator="kind"),
+]
+
+
+class ReportOut(BaseModel):
+    event_id: int
+    created: bool
+
+
+def _translate(e: Exception) -> HTTPException:
+    if isinstance(e, NotFound):
+        return HTTPException(404, str(e))
+    if isinstance(e, agents.NotCurrent):
+        return HTTPException(409, str(e))
+    return HTTPException(422, str(e))
+
+
+@router.post("/register", response_model=RegisterOut)
+def register(
+    job_id: str, attempt: AttemptPath, node_id: NodePath, body: RegisterIn, session: SessionDep
+) -> RegisterOut:
+    """An agent announces its node (again after a restart). 409: not the current attempt."""
+    try:
+        reg = agents.register_node(
+            session,
+            job_id,
+            attempt,
+            node_id,
+            node_rank=body.node_rank,
+            hostname=body.hostname,
+            agent_pid=body.agent_pid,
+            provider=body.provider,
+            ranks=[r.model_dump() for r in body.ranks],
+        )
+    except (NotFound, agents.NotCurrent) as e:
+        raise _translate(e) from None
+    return RegisterOut(heartbeat_s=HEARTBEAT_S, command_cursor=reg.command_cursor)
+
+
+@router.post("/heartbeat")
+def heartbeat(
+    job_id: str, attempt: AttemptPath, node_id: NodePath, body: HeartbeatIn, session: SessionDep
+) -> dict[str, Any]:
+    """One per node per period: its state and every local rank's progress.
+    404 when the node is not registered (the agent registers again)."""
+    try:
+        agents.record_heartbeat(session, job_id, attempt, node_id, body.model_dump(mode="json"))
+    except (NotFound, agents.NotCurrent) as e:
+        raise _translate(e) from None
+    return {}
+
+
+def _check_commands(
+    request: Request, job_id: str, attempt: int, node_id: str, after: int
+) -> list[CommandOut]:
+    with request.app.state.sessionmaker() as session:
+        cmds = agents.poll_commands(session, job_id, attempt, node_id, after)
+        return [CommandOut(seq=c.id, type=c.type, args=c.args or {}) for c in cmds]
+
+
+@router.get("/commands", response_model=CommandsOut)
+async def commands(
+    request: Request,
+    job_id: str,
+    attempt: AttemptPath,
+    node_id: NodePath,
+    after: Annotated[int, Query(ge=0, description="cursor: commands with a larger seq")] = 0,
+    wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, description="long-poll seconds")] = 0.0,
+) -> CommandsOut:
+    """Commands for this node after ``after``; waits up to ``wait`` s for one to arrive."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            found = await run_in_threadpool(
+                _check_commands, request, job_id, attempt, node_id, after
+            )
+        except (NotFound, agents.NotCurrent) as e:
+            raise _translate(e) from None
+        if found or time.monotonic() >= deadline or await request.is_disconnected():
+            return CommandsOut(commands=found)
+        await asyncio.sleep(min(POLL_INTERVAL_S, max(0.0, deadline - time.monotonic())))
+
+
+@router.post("/reports", response_model=ReportOut)
+def report(
+    job_id: str, attempt: AttemptPath, node_id: NodePath, body: Report, session: SessionDep
+) -> ReportOut:
+    """Record a report as an event; the same ``key`` again returns the stored one."""
+    try:
+        event, created = agents.record_report(
+            session, job_id, attempt, node_id, body.model_dump(mode="json")
+        )
+    except (NotFound, agents.NotCurrent, ValueError) as e:
+        raise _translate(e) from None
+    return ReportOut(event_id=event.id, created=created)

@@ -1,0 +1,366 @@
+"""Repository functions for node agents: registration, heartbeats, commands, reports.
+
+The API's agent routes and the reconciler both call these. Like ``repo``, each takes
+a Session and commits nothing: the caller owns the transaction.
+
+Who is *current*: an agent talks for one attempt of one job. Only the newest attempt
+(the highest number) counts, and only while its state is not ``ended`` and the job is
+not terminal. Agents of any other attempt get 409 from register/heartbeat/commands
+and stop their ranks (the service moved on without them). Reports are history, so a
+report for an attempt that exists is recorded even after the service moved on: an
+agent's last ``rank_exit``/``node_exit`` must not be lost to a race with the
+reconciler.
+
+Every report becomes one ``failure_events`` row (kind = the report kind), idempotent
+on ``a<attempt>:<node_id>:<key>``; a ``checkpoint`` report also upserts a
+``checkpoints`` row with status ``complete``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from orchestrator.contract import ExitCode
+from orchestrator.domain.failures import FailureClass, classify_failure
+from orchestrator.domain.status import JobStatus
+from orchestrator.store import repo
+from orchestrator.store.models import Attempt, Checkpoint, FailureEvent, Node, NodeCommand
+from orchestrator.store.repo import NotFound, utcnow
+
+#: Command types an agent understands (docs/agent.md).
+COMMAND_TYPES = frozenset({"checkpoint_and_stop", "stop", "set_checkpoint_every"})
+#: Report kinds an agent sends (docs/agent.md).
+REPORT_KINDS = frozenset({"preemption_notice", "rank_exit", "anomaly", "checkpoint", "node_exit"})
+#: Node states: ``registered`` until the first heartbeat, then what the agent says.
+NODE_STATES = frozenset({"registered", "starting", "running", "stopping", "exited"})
+#: Exit codes that are not failures: done, or saved after a stop was asked for.
+CLEAN_EXIT_CODES = frozenset({int(ExitCode.OK), int(ExitCode.PREEMPTED_SAVED)})
+
+
+class NotCurrent(Exception):
+    """The attempt is not the job's current one; the API answers 409."""
+
+
+def current_attempt(session: Session, job_id: str) -> Attempt | None:
+    """The job's highest-numbered attempt, whatever its state (None before any launch)."""
+    q = select(Attempt).where(Attempt.job_id == job_id).order_by(Attempt.number.desc()).limit(1)
+    return session.scalars(q).first()
+
+
+def is_current_attempt(session: Session, job_id: str, attempt: int) -> bool:
+    """True when ``attempt`` is the job's newest, not ended, and the job is not terminal.
+
+    Raises NotFound for an unknown job.
+    """
+    job = repo.get_job(session, job_id)
+    if JobStatus(job.status).is_terminal():
+        return False
+    newest = current_attempt(session, job_id)
+    return newest is not None and newest.number == attempt and newest.state != "ended"
+
+
+def _require_current(session: Session, job_id: str, attempt: int) -> None:
+    if not is_current_attempt(session, job_id, attempt):
+        raise NotCurrent(f"attempt {attempt} of job {job_id} is not the current attempt")
+
+
+def _attempt_exists(session: Session, job_id: str, attempt: int) -> bool:
+    q = select(func.count()).select_from(Attempt)
+    q = q.where(Attempt.job_id == job_id, Attempt.number == attempt)
+    return bool(session.scalar(q))
+
+
+def _node(session: Session, job_id: str, node_id: str) -> Node | None:
+    q = select(Node).where(Node.job_id == job_id, Node.node_id == node_id)
+    return session.scalars(q).first()
+
+
+@dataclass(frozen=True)
+class Registration:
+    node: Node
+    command_cursor: int
+    """The last command this node acknowledged (0 for a new node): long-poll after it."""
+
+
+def register_node(
+    session: Session,
+    job_id: str,
+    attempt: int,
+    node_id: str,
+    *,
+    node_rank: int,
+    hostname: str | None = None,
+    agent_pid: int | None = None,
+    provider: str | None = None,
+    ranks: list[dict[str, Any]] | None = None,
+    now: datetime | None = None,
+) -> Registration:
+    """Create the node row, or refresh it when an agent registers again (a restarted
+    agent keeps the command cursor its predecessor acknowledged).
+
+    Raises NotFound (unknown job) or NotCurrent (stale attempt).
+    """
+    _require_current(session, job_id, attempt)
+    now = now or utcnow()
+    node = _node(session, job_id, node_id)
+    info = {"hostname": hostname, "agent_pid": agent_pid, "provider": provider}
+    if node is None:
+        node = Node(
+            job_id=job_id,
+            attempt=attempt,
+            node_id=node_id,
+            node_rank=node_rank,
+            address=hostname,
+            state="registered",
+            last_heartbeat_at=now,
+            progress={"ranks": ranks or [], **info},
+            registered_at=now,
+        )
+        try:
+            with session.begin_nested():
+                session.add(node)
+                session.flush()
+        except IntegrityError:  # two registrations raced; the other one won
+            node = _node(session, job_id, node_id)
+            if node is None:
+                raise
+        else:
+            return Registration(node, 0)
+    cursor = int((node.progress or {}).get("acked_command") or 0) if node.attempt == attempt else 0
+    node.attempt = attempt
+    node.node_rank = node_rank
+    node.address = hostname
+    node.state = "registered"
+    node.last_heartbeat_at = now
+    node.progress = {**(node.progress or {}), "ranks": ranks or [], **info}
+    session.flush()
+    return Registration(node, cursor)
+
+
+def record_heartbeat(
+    session: Session,
+    job_id: str,
+    attempt: int,
+    node_id: str,
+    body: dict[str, Any],
+    *,
+    now: datetime | None = None,
+) -> Node:
+    """Store the heartbeat body as the node's progress and its state.
+
+    Raises NotFound when the node never registered (the agent registers again),
+    NotCurrent for a stale attempt.
+    """
+    _require_current(session, job_id, attempt)
+    node = _node(session, job_id, node_id)
+    if node is None or node.attempt != attempt:
+        raise NotFound(f"node {node_id} is not registered for attempt {attempt} of job {job_id}")
+    state = body.get("state")
+    if state not in NODE_STATES:
+        raise ValueError(f"state must be one of {sorted(NODE_STATES)}, got {state!r}")
+    keep = {
+        k: v for k, v in (node.progress or {}).items() if k in ("hostname", "agent_pid", "provider")
+    }
+    acked = body.get("acked_command")
+    if acked is None:  # an agent that acked nothing new must not rewind the cursor
+        acked = (node.progress or {}).get("acked_command")
+    node.progress = {**keep, **body, "acked_command": acked}
+    node.state = state
+    node.last_heartbeat_at = now or utcnow()
+    session.flush()
+    return node
+
+
+def list_nodes(session: Session, job_id: str, attempt: int | None = None) -> list[Node]:
+    q = select(Node).where(Node.job_id == job_id)
+    if attempt is not None:
+        q = q.where(Node.attempt == attempt)
+    return list(session.scalars(q.order_by(Node.attempt, Node.node_rank, Node.node_id)))
+
+
+def enqueue_command(
+    session: Session,
+    job_id: str,
+    attempt: int,
+    type: str,
+    args: dict[str, Any] | None = None,
+    node_id: str | None = None,
+    *,
+    now: datetime | None = None,
+) -> NodeCommand:
+    """Queue a command for one node (``node_id``) or every node of the attempt (None)."""
+    if type not in COMMAND_TYPES:
+        raise ValueError(f"command type must be one of {sorted(COMMAND_TYPES)}, got {type!r}")
+    if args is not None and not isinstance(args, dict):
+        raise ValueError(f"command args must be a JSON object, got {args!r}")
+    repo.get_job(session, job_id)
+    cmd = NodeCommand(
+        job_id=job_id,
+        attempt=attempt,
+        node_id=node_id,
+        type=type,
+        args=dict(args or {}),
+        created_at=now or utcnow(),
+    )
+    session.add(cmd)
+    session.flush()
+    return cmd
+
+
+def commands_after(
+    session: Session, job_id: str, attempt: int, node_id: str, after: int
+) -> list[NodeCommand]:
+    """Commands for this node (or for all nodes) of this attempt with id > ``after``."""
+    q = (
+        select(NodeCommand)
+        .where(
+            NodeCommand.job_id == job_id,
+            NodeCommand.attempt == attempt,
+            NodeCommand.id > after,
+            (NodeCommand.node_id.is_(None)) | (NodeCommand.node_id == node_id),
+        )
+        .order_by(NodeCommand.id)
+    )
+    return list(session.scalars(q))
+
+
+def poll_commands(
+    session: Session, job_id: str, attempt: int, node_id: str, after: int
+) -> list[NodeCommand]:
+    """One long-poll check: NotCurrent when the attempt is stale, else what is new."""
+    _require_current(session, job_id, attempt)
+    return commands_after(session, job_id, attempt, node_id, after)
+
+
+_ANOMALY_CLASSES = frozenset(
+    {FailureClass.NAN_DIVERGENCE, FailureClass.SLOW_PEER, FailureClass.SILENT_CORRUPTION}
+)
+
+
+def _event_fields(kind: str, report: dict[str, Any]) -> dict[str, Any]:
+    """failure_class, rank and message of the event a report becomes."""
+    if kind == "preemption_notice":
+        return {
+            "failure_class": FailureClass.PREEMPTION_NOTICE.value,
+            "message": f"{report.get('provider')} notice {report.get('notice_kind')}"
+            f" (deadline {report.get('deadline') or 'unknown'})",
+        }
+    if kind == "rank_exit":
+        code, sig = report.get("exit_code"), report.get("signal")
+        how = f"signal {sig}" if sig else f"exit code {code}"
+        out: dict[str, Any] = {
+            "rank": report.get("rank"),
+            "message": f"rank {report.get('rank')} exited: {how}",
+        }
+        if code not in CLEAN_EXIT_CODES or sig:
+            c = classify_failure(code, sig, "\n".join(report.get("log_tail") or []))
+            out["failure_class"] = c.failure_class.value
+            out["classification"] = c.to_json_dict()
+        return out
+    if kind == "anomaly":
+        finding = report.get("finding")
+        if finding not in _ANOMALY_CLASSES:
+            raise ValueError(
+                f"anomaly finding must be one of {sorted(_ANOMALY_CLASSES)}, got {finding!r}"
+            )
+        return {
+            "failure_class": finding,
+            "rank": report.get("rank"),
+            "message": f"rank {report.get('rank')}: {finding} at step {report.get('step')}",
+        }
+    if kind == "checkpoint":
+        return {"message": f"checkpoint at step {report.get('step')}"}
+    if kind == "node_exit":
+        return {"message": f"node exited with {report.get('exit_code')}: {report.get('reason')}"}
+    raise ValueError(f"report kind must be one of {sorted(REPORT_KINDS)}, got {kind!r}")
+
+
+def record_report(
+    session: Session,
+    job_id: str,
+    attempt: int,
+    node_id: str,
+    report: dict[str, Any],
+    *,
+    now: datetime | None = None,
+) -> tuple[FailureEvent, bool]:
+    """Record one agent report as an event (and its side rows); (event, created).
+
+    ``report`` holds ``key``, ``kind`` and the kind's fields (docs/agent.md). The
+    same key from the same node of the same attempt returns the stored event.
+    Raises NotFound (unknown job) or NotCurrent (no such attempt).
+    """
+    repo.get_job(session, job_id)
+    if not _attempt_exists(session, job_id, attempt):
+        raise NotCurrent(f"job {job_id} has no attempt {attempt}")
+    key, kind = report.get("key"), report.get("kind")
+    if not isinstance(key, str) or not key:
+        raise ValueError("report key must be a non-empty string")
+    fields = _event_fields(str(kind), report)
+    classification = fields.pop("classification", None)
+    details = {k: v for k, v in report.items() if k not in ("key", "kind")}
+    details["attempt"] = attempt
+    if classification is not None:
+        details["classification"] = classification
+    event, created = repo.record_event(
+        session,
+        job_id,
+        idempotency_key=f"a{attempt}:{node_id}:{key}"[:128],
+        kind=str(kind),
+        node_id=node_id,
+        details=details,
+        now=now,
+        **fields,
+    )
+    if not created:
+        return event, False
+    if kind == "checkpoint":
+        _upsert_checkpoint(session, job_id, report, now=now)
+    elif kind == "node_exit":
+        node = _node(session, job_id, node_id)
+        if node is not None and node.attempt == attempt:
+            node.state = "exited"
+            session.flush()
+    return event, True
+
+
+def _upsert_checkpoint(
+    session: Session, job_id: str, report: dict[str, Any], *, now: datetime | None
+) -> Checkpoint:
+    step = int(report["step"])
+    uri = report.get("uploaded_uri") or report.get("path") or ""
+    q = select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step)
+    row = session.scalars(q).first()
+    if row is None:
+        row = Checkpoint(
+            job_id=job_id,
+            step=step,
+            uri=uri,
+            status="complete",
+            world_size=report.get("world_size"),
+            created_at=now or utcnow(),
+        )
+        try:
+            with session.begin_nested():
+                session.add(row)
+                session.flush()
+            return row
+        except IntegrityError:
+            row = session.scalars(q).first()
+            if row is None:
+                raise
+    # A second node's report of the same step (or the upload after the local save)
+    # only improves the row: a durable URI wins over a node-local path.
+    if report.get("uploaded_uri"):
+        row.uri = report["uploaded_uri"]
+    if report.get("world_size") and not row.world_size:
+        row.world_size = report["world_size"]
+    row.status = "complete"
+    session.flush()
+    return row
