@@ -1,0 +1,155 @@
+"""/v1/jobs/{id}/attempts, /incidents (the restart protocol's record) and /chaos."""
+
+from __future__ import annotations
+
+import signal
+from datetime import datetime
+from typing import Any, Literal
+
+from fastapi import APIRouter, HTTPException, Request
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import select
+
+from orchestrator.api.deps import OperatorDep, SessionDep
+from orchestrator.domain.status import JobStatus
+from orchestrator.launchers.base import LaunchError
+from orchestrator.reconciler.loop import incidents
+from orchestrator.store import repo
+from orchestrator.store.models import Attempt, Node
+
+router = APIRouter(prefix="/v1", dependencies=[OperatorDep])
+
+
+def _job(session: SessionDep, job_id: str):  # type: ignore[no-untyped-def]
+    try:
+        return repo.get_job(session, job_id)
+    except repo.NotFound as e:
+        raise HTTPException(404, str(e)) from None
+
+
+@router.get("/jobs/{job_id}/attempts")
+def list_attempts(job_id: str, session: SessionDep) -> dict[str, Any]:
+    """Every launch of the job, newest last, with its nodes and their last heartbeat."""
+    _job(session, job_id)
+    out = []
+    for a in session.scalars(
+        select(Attempt).where(Attempt.job_id == job_id).order_by(Attempt.number)
+    ):
+        nodes = session.scalars(
+            select(Node)
+            .where(Node.job_id == job_id, Node.attempt == a.number)
+            .order_by(Node.node_rank)
+        )
+        out.append(
+            {
+                "number": a.number,
+                "state": a.state,
+                "cloud": a.cloud,
+                "region": a.region,
+                "instance_type": a.instance_type,
+                "num_nodes": a.num_nodes,
+                "spot": a.spot,
+                "resume_step": a.resume_step,
+                "validated_step": a.validated_step,
+                "incident_id": a.incident_id,
+                "started_at": a.started_at,
+                "ended_at": a.ended_at,
+                "end_reason": a.end_reason,
+                "nodes": [
+                    {
+                        "node_id": n.node_id,
+                        "node_rank": n.node_rank,
+                        "state": n.state,
+                        "last_heartbeat_at": n.last_heartbeat_at,
+                        "ranks": (n.progress or {}).get("ranks", []),
+                    }
+                    for n in nodes
+                ],
+            }
+        )
+    return {"items": out}
+
+
+@router.get("/jobs/{job_id}/incidents")
+def list_incidents(job_id: str, session: SessionDep) -> dict[str, Any]:
+    """Each failure the restart protocol handled: class, steps lost, MTTR and its
+    breakdown by protocol step (started/finished/outcome/detail)."""
+    _job(session, job_id)
+    return {"items": incidents(session, job_id)}
+
+
+class ChaosIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    action: Literal["preempt", "kill-node", "kill-agent", "hang-rank", "slow-rank"]
+    node: int = Field(ge=0, description="node rank within the current attempt")
+    rank: int | None = Field(default=None, ge=0, description="global rank (hang/slow)")
+    provider: Literal["aws", "gcp", "azure"] | None = None
+    in_seconds: float = Field(default=30.0, ge=0, le=3600)
+    """preempt: how far ahead the notice announces the termination."""
+    duty: float = Field(default=0.5, gt=0, lt=1)
+    """slow-rank: the fraction of time the rank is stopped."""
+    seconds: float = Field(default=60.0, gt=0, le=3600)
+    """slow-rank: for how long."""
+
+
+@router.post("/jobs/{job_id}/chaos")
+def chaos(job_id: str, body: ChaosIn, request: Request, session: SessionDep) -> dict[str, Any]:
+    """Inject a failure into a running job on the local launcher."""
+    job = _job(session, job_id)
+    launcher = getattr(request.app.state, "launcher", None)
+    if launcher is None or getattr(launcher, "name", "") != "local":
+        raise HTTPException(409, "chaos needs the local launcher (skyresume serve, launcher=local)")
+    if JobStatus(job.status).is_terminal():
+        raise HTTPException(409, f"job {job_id} is {job.status}")
+    a = session.scalars(
+        select(Attempt).where(Attempt.job_id == job_id).order_by(Attempt.number.desc())
+    ).first()
+    if a is None or not a.handle or a.state == "ended":
+        raise HTTPException(409, f"job {job_id} has no running attempt")
+    node_ids = list(a.handle.get("node_ids", []))
+    if body.node >= len(node_ids):
+        raise HTTPException(
+            422, f"node {body.node} does not exist: attempt {a.number} has {len(node_ids)} nodes"
+        )
+    node_id = node_ids[body.node]
+    at = datetime.now().astimezone().isoformat()
+    try:
+        if body.action == "preempt":
+            launcher.preempt(node_id, provider=body.provider, in_seconds=body.in_seconds)
+            return {"action": body.action, "node_id": node_id, "at": at}
+        if body.action == "kill-node":
+            n = launcher.kill_node(job_id, node_id)
+            return {"action": body.action, "node_id": node_id, "killed": n, "at": at}
+        if body.action == "kill-agent":
+            launcher.kill_agent(job_id, node_id)
+            return {"action": body.action, "node_id": node_id, "at": at}
+        pid = _rank_pid(session, job_id, node_id, body.rank)
+        if body.action == "hang-rank":
+            launcher.signal_pid(job_id, node_id, pid, signal.SIGSTOP)
+        else:
+            launcher.slow_pid(job_id, node_id, pid, duty=body.duty, seconds=body.seconds)
+        return {"action": body.action, "node_id": node_id, "pid": pid, "at": at}
+    except (LaunchError, ValueError) as e:
+        raise HTTPException(409, str(e)) from None
+
+
+def _rank_pid(session: SessionDep, job_id: str, node_id: str, rank: int | None) -> int:
+    node = session.scalars(
+        select(Node).where(Node.job_id == job_id, Node.node_id == node_id)
+    ).first()
+    listed = ((node.progress or {}).get("ranks") or []) if node is not None else []
+    ranks = [r for r in listed if isinstance(r, dict)]
+    if not ranks:
+        raise HTTPException(409, f"node {node_id} has not reported its ranks yet")
+    if rank is None:
+        chosen = ranks[0]
+    else:
+        chosen = next((r for r in ranks if r.get("rank") == rank), None)
+        if chosen is None:
+            have = ", ".join(str(r.get("rank")) for r in ranks)
+            raise HTTPException(422, f"rank {rank} is not on {node_id} (it has ranks {have})")
+    pid = chosen.get("pid")
+    if not isinstance(pid, int):
+        raise HTTPException(409, f"the agent of {node_id} has not reported rank pids yet")
+    return pid
