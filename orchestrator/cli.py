@@ -31,10 +31,11 @@ app.add_typer(db_app, name="db")
 
 def _register_command_modules() -> None:
     # Each area keeps its commands in orchestrator/commands/<area>.py (light imports).
-    from orchestrator.commands import cloud, failures
+    from orchestrator.commands import cloud, failures, recovery
 
     cloud.register(app)
     failures.register(app)
+    recovery.register(app)
 
 
 console = Console()
@@ -173,6 +174,11 @@ def serve(
         if v is not None
     }
     settings = Settings(**overrides)
+    if settings.port == 0 and settings.reconcile:
+        # Agents must be told where the service is before uvicorn binds: pick the port.
+        from orchestrator.launchers.local import free_port
+
+        settings = settings.model_copy(update={"port": free_port()})
     url = settings.effective_database_url
     try:
         if settings.should_auto_migrate:
@@ -180,12 +186,27 @@ def serve(
         app_ = create_app(settings)
     except Exception as e:
         fail(f"cannot open the database {_redact(url)}: {type(e).__name__}: {e}")
+    reconciler = None
+    if settings.reconcile:
+        from orchestrator.reconciler.service import attach_reconciler
+
+        reconciler = attach_reconciler(app_)
     where = "SKYRESUME_TOKEN" if settings.token else str(settings.token_path)
     err_console.print(
         f"skyresume serving on http://{settings.host}:{settings.port} "
-        f"(database {_redact(url)}; operator token in {where})"
+        f"(database {_redact(url)}; operator token in {where}; "
+        f"reconciler {'on, launcher ' + settings.launcher if reconciler else 'off'})"
     )
-    uvicorn.run(app_, host=settings.host, port=settings.port, log_level="warning")
+    if reconciler is not None:
+        reconciler.start()
+    try:
+        uvicorn.run(app_, host=settings.host, port=settings.port, log_level="warning")
+    finally:
+        if reconciler is not None:
+            reconciler.stop()
+            close = getattr(app_.state.launcher, "close", None)
+            if close is not None:
+                close()
 
 
 def _redact(url: str) -> str:

@@ -41,6 +41,29 @@ class Settings(BaseSettings):
     """Upgrade the schema on ``serve``. Default: on for SQLite, off otherwise
     (production PostgreSQL is upgraded deliberately with ``skyresume db upgrade``)."""
 
+    reconcile: bool = True
+    """Run the reconciler (the restart protocol) inside ``serve``. One replica holds
+    the lease at a time, so every replica may leave it on."""
+    reconcile_interval_s: float = Field(default=0.5, gt=0)
+    launcher: str = "local"
+    """``local`` (nodes as process sessions on this machine) or ``skypilot``."""
+    local_provider: str = "aws"
+    """Which cloud's metadata format the local nodes' agents poll (aws, gcp, azure)."""
+
+    @field_validator("launcher")
+    @classmethod
+    def _launcher(cls, v: str) -> str:
+        if v not in ("local", "skypilot"):
+            raise ValueError(f"launcher must be local or skypilot, got {v!r}")
+        return v
+
+    @field_validator("local_provider")
+    @classmethod
+    def _provider(cls, v: str) -> str:
+        if v not in ("aws", "gcp", "azure"):
+            raise ValueError(f"local_provider must be aws, gcp or azure, got {v!r}")
+        return v
+
     @field_validator("port")
     @classmethod
     def _port_range(cls, v: int) -> int:

@@ -31,8 +31,12 @@ class LaunchRequest:
     command: str
     """The user's training command (run by the agent under torchrun)."""
     env: dict[str, str] = field(default_factory=dict)
-    """The run's context (``orchestrator.contract.Env`` names) for every rank."""
+    """The run's context (``orchestrator.contract.Env`` names) for every rank. A value
+    may hold ``{node_disk}``, which the launcher replaces with each node's local disk
+    path (where a checkpoint was staged for that node)."""
     ranks_per_node: int = 1
+    grace_s: float = 90.0
+    """How long ranks get to save after SIGTERM (the agent's grace, not torchrun's 30 s)."""
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ def service(tmp_path: Path, request: pytest.FixtureRequest):
     """`skyresume serve` on SQLite (auto-migrated) or a migrated PostgreSQL database."""
     port = _free_port()
     env = {**os.environ, "SKYRESUME_HOME": str(tmp_path / "home"), "SKYRESUME_PORT": str(port)}
+    env["SKYRESUME_RECONCILE"] = "false"  # these tests are about the CLI, not recovery
     env.pop("SKYRESUME_TOKEN", None)
     if getattr(request, "param", "sqlite") == "postgres":
         url = request.getfixturevalue("db_url_postgres")

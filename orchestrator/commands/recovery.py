@@ -1,0 +1,163 @@
+"""CLI: ``incidents JOB``, ``attempts JOB``, ``chaos ...`` and ``demo``.
+
+``chaos`` injects real failures into a job on the local launcher through the service
+(the launcher lives there): a preemption notice on a node's metadata endpoint, a
+whole node killed, an agent killed alone, a rank frozen or slowed.
+"""
+
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+chaos_app = typer.Typer(help="Inject failures into a job on the local launcher.")
+
+JobArg = Annotated[str, typer.Argument(help="job id")]
+NodeOpt = Annotated[int, typer.Option("--node", min=0, help="node rank in the current attempt")]
+
+
+class Provider(StrEnum):
+    aws = "aws"
+    gcp = "gcp"
+    azure = "azure"
+
+
+def _client():  # type: ignore[no-untyped-def]
+    from orchestrator.cli import Client
+
+    return Client()
+
+
+def _chaos(job: str, body: dict[str, Any]) -> None:
+    from orchestrator.cli import _print_json
+
+    _print_json(_client().request("POST", f"/v1/jobs/{job}/chaos", json=body))
+
+
+@chaos_app.command("preempt")
+def chaos_preempt(
+    job: JobArg,
+    node: NodeOpt,
+    provider: Annotated[
+        Provider | None, typer.Option(help="notice format (default: the node's own cloud)")
+    ] = None,
+    in_seconds: Annotated[
+        float, typer.Option(min=0, help="how far ahead the notice announces the end")
+    ] = 30.0,
+) -> None:
+    """Serve a spot preemption notice on the node's metadata endpoint."""
+    body: dict[str, Any] = {"action": "preempt", "node": node, "in_seconds": in_seconds}
+    if provider is not None:
+        body["provider"] = provider.value
+    _chaos(job, body)
+
+
+@chaos_app.command("kill-node")
+def chaos_kill_node(job: JobArg, node: NodeOpt) -> None:
+    """SIGKILL every process of the node at once, without notice."""
+    _chaos(job, {"action": "kill-node", "node": node})
+
+
+@chaos_app.command("kill-agent")
+def chaos_kill_agent(job: JobArg, node: NodeOpt) -> None:
+    """SIGKILL the node's agent alone (its ranks keep running)."""
+    _chaos(job, {"action": "kill-agent", "node": node})
+
+
+RankOpt = Annotated[int | None, typer.Option("--rank", min=0, help="global rank (default: first)")]
+
+
+@chaos_app.command("hang-rank")
+def chaos_hang_rank(job: JobArg, node: NodeOpt, rank: RankOpt = None) -> None:
+    """Freeze one rank (SIGSTOP): its peers block in the next collective."""
+    _chaos(job, {"action": "hang-rank", "node": node, "rank": rank})
+
+
+@chaos_app.command("slow-rank")
+def chaos_slow_rank(
+    job: JobArg,
+    node: NodeOpt,
+    rank: RankOpt = None,
+    duty: Annotated[float, typer.Option(min=0.01, max=0.99, help="fraction stopped")] = 0.5,
+    seconds: Annotated[float, typer.Option(min=1, help="for how long")] = 60.0,
+) -> None:
+    """Make one rank a straggler by stopping it part of the time."""
+    body = {"action": "slow-rank", "node": node, "rank": rank, "duty": duty, "seconds": seconds}
+    _chaos(job, body)
+
+
+def incident_table(items: list[dict[str, Any]]):  # type: ignore[no-untyped-def]
+    from rich.table import Table
+
+    from orchestrator.domain.protocol import ProtocolStep
+
+    cols = [s.value.replace("_checkpoint", "").replace("_replacement", "") for s in ProtocolStep]
+    t = Table("#", "CLASS", "NODE", "LOST", "MTTR s", *cols, title="incidents")
+    for inc in items:
+        secs = {s["step"]: s["seconds"] for s in inc["steps"]}
+        t.add_row(
+            str(inc["id"]),
+            inc["failure_class"] or "",
+            (inc.get("node_id") or "").rsplit("-", 1)[-1],
+            "" if inc["steps_lost"] is None else str(inc["steps_lost"]),
+            "" if inc["mttr_s"] is None else f"{inc['mttr_s']:.1f}",
+            *("" if secs.get(s.value) is None else f"{secs[s.value]:.1f}" for s in ProtocolStep),
+        )
+    return t
+
+
+def register(app: typer.Typer) -> None:
+    from orchestrator.cli import Output, OutputOpt, _print_json, console
+
+    app.add_typer(chaos_app, name="chaos")
+
+    @app.command()
+    def incidents(job: JobArg, output: OutputOpt = Output.table) -> None:
+        """Failures the restart protocol handled: class, steps lost, MTTR by step."""
+        data = _client().request("GET", f"/v1/jobs/{job}/incidents")
+        if output is Output.json:
+            _print_json(data)
+        else:
+            console.print(incident_table(data["items"]))
+
+    @app.command()
+    def attempts(job: JobArg, output: OutputOpt = Output.table) -> None:
+        """Every launch of a job with its nodes and their ranks' last steps."""
+        from rich.table import Table
+
+        data = _client().request("GET", f"/v1/jobs/{job}/attempts")
+        if output is Output.json:
+            _print_json(data)
+            return
+        t = Table("ATTEMPT", "STATE", "WHERE", "NODES", "RESUMED", "STEPS", "ENDED BECAUSE")
+        for a in data["items"]:
+            steps = [r.get("step") for n in a["nodes"] for r in n["ranks"]]
+            t.add_row(
+                str(a["number"]),
+                a["state"],
+                f"{a['cloud']}/{a['region']}",
+                str(a["num_nodes"]),
+                "" if a["validated_step"] is None else str(a["validated_step"]),
+                ",".join("-" if s is None else str(s) for s in steps),
+                a.get("end_reason") or "",
+            )
+        console.print(t)
+
+    @app.command()
+    def demo(
+        home: Annotated[
+            Path | None, typer.Option(help="state directory (default: a new temporary one)")
+        ] = None,
+        steps: Annotated[int, typer.Option(min=40, help="training steps")] = 120,
+        timeout: Annotated[float, typer.Option(min=60, help="give up after (s)")] = 900.0,
+    ) -> None:
+        """A 2x2 CPU training run, preempted then a node killed, recovered from both.
+
+        Starts the service (SQLite, local launcher), submits the job, injects the
+        failures, prints the incident table. Exits 0 only if training finished with
+        every resume validated on every rank."""
+        from orchestrator.demo import run_demo
+
+        raise typer.Exit(run_demo(home=home, steps=steps, timeout_s=timeout))

@@ -1,0 +1,235 @@
+"""``skyresume demo``: the whole recovery loop on this machine, on embedded defaults.
+
+It starts ``skyresume serve`` (SQLite, local launcher, reconciler on) in a fresh
+state directory, submits a 2-node x 2-rank CPU GPT job (gloo) that checkpoints to a
+``file://`` store, then injects a spot preemption notice on node 1 and, once the job
+has recovered and trained on, kills node 0 outright. The service recovers from both
+on its own; the demo only watches, then prints the incident table and checks the
+outcome: it exits 0 only when training finished and every resume was validated on
+every rank (and the preemption lost no step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+console = Console(stderr=True)
+
+
+class DemoError(RuntimeError):
+    pass
+
+
+def job_spec(home: Path, steps: int) -> dict[str, Any]:
+    cmd = (
+        f"{sys.executable} -m training.examples.train_gpt --max-steps {steps} "
+        f"--step-sleep 0.1 --save-final {home / 'final_weights.pt'}"
+    )
+    return {
+        "name": "demo-gpt",
+        "task": {"template": "gpt-cpu", "command": cmd},
+        "num_nodes": 2,
+        "ranks_per_node": 2,
+        "spot": True,
+        "checkpoint": {"uri": f"file://{home / 'checkpoints'}", "every_steps": 10, "keep": 3},
+        "restarts": {"max_restarts": 5, "heartbeat_timeout_s": 20, "grace_period_s": 60},
+    }
+
+
+class _Service:
+    def __init__(self, home: Path) -> None:
+        from orchestrator.launchers.local import free_port
+
+        self.home = home
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SKYRESUME_")}
+        env.update(
+            SKYRESUME_HOME=str(home),
+            SKYRESUME_PORT=str(self.port),
+            SKYRESUME_RECONCILE="true",
+            SKYRESUME_LAUNCHER="local",
+        )
+        self.log = open(home / "service.log", "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli", "serve"],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def wait_ready(self, timeout_s: float = 60) -> Any:
+        import httpx
+
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise DemoError(f"the service exited ({self.proc.returncode}); see service.log")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                    token = (self.home / "token").read_text().strip()
+                    return httpx.Client(
+                        base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=30
+                    )
+            time.sleep(0.2)
+        raise DemoError(f"the service did not become ready in {timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def _get(http: Any, path: str) -> Any:
+    r = http.get(path)
+    if r.status_code >= 400:
+        raise DemoError(f"GET {path}: HTTP {r.status_code}: {r.text[:300]}")
+    return r.json()
+
+
+def _post(http: Any, path: str, body: dict[str, Any]) -> Any:
+    r = http.post(path, json=body)
+    if r.status_code >= 400:
+        raise DemoError(f"POST {path}: HTTP {r.status_code}: {r.text[:300]}")
+    return r.json()
+
+
+def _state(http: Any, job: str) -> tuple[str, int, int | None, int]:
+    """(status, newest attempt, its validated step, its highest rank step)."""
+    st = _get(http, f"/v1/jobs/{job}")["status"]
+    atts = _get(http, f"/v1/jobs/{job}/attempts")["items"]
+    if not atts:
+        return st, 0, None, -1
+    a = atts[-1]
+    steps = [r.get("step") for n in a["nodes"] for r in n["ranks"] if r.get("step") is not None]
+    return st, a["number"], a["validated_step"], max(steps, default=-1)
+
+
+def _wait(http: Any, job: str, what: str, until: Any, deadline: float) -> tuple[Any, ...]:
+    shown = None
+    while time.monotonic() < deadline:
+        s = _state(http, job)
+        if s != shown:
+            status, n, validated, step = s
+            console.print(
+                f"  [dim]{status:12} attempt {n}  validated at {validated}  step {step}[/dim]"
+            )
+            shown = s
+        if s[0] in ("FAILED", "CANCELLED") or (s[0] == "SUCCEEDED" and what != "the end"):
+            return s
+        if until(*s):
+            return s
+        time.sleep(0.5)
+    raise DemoError(f"timed out waiting for {what}")
+
+
+def run_demo(home: Path | None = None, steps: int = 120, timeout_s: float = 900.0) -> int:
+    from orchestrator.commands.recovery import incident_table
+
+    home = Path(home) if home else Path(tempfile.mkdtemp(prefix="skyresume-demo-"))
+    home.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout_s
+    console.print(f"[bold]skyresume demo[/bold]: state in {home}")
+    svc = _Service(home)
+    job = None
+    http = None
+    try:
+        http = svc.wait_ready()
+        console.print(f"service up at {svc.url} (SQLite, local launcher, reconciler on)")
+        job = _post(http, "/v1/jobs", job_spec(home, steps))["id"]
+        console.print(f"submitted job {job}: 2 nodes x 2 CPU ranks (gloo), {steps} steps")
+
+        console.print("[bold]1.[/bold] waiting for training to pass step 30")
+        s = _wait(
+            http, job, "step 30", lambda st, n, v, step: v is not None and step >= 30, deadline
+        )
+        if s[0] != "RUNNING":
+            raise DemoError(f"job is {s[0]} before the first failure")
+        console.print("[bold]2.[/bold] spot preemption notice (AWS format) on node 1")
+        _post(http, f"/v1/jobs/{job}/chaos", {"action": "preempt", "node": 1})
+        first = s[1]
+        s = _wait(
+            http,
+            job,
+            "recovery from the preemption",
+            lambda st, n, v, step: n > first and v is not None and step >= v + 25,
+            deadline,
+        )
+        if s[0] != "RUNNING":
+            raise DemoError(f"job is {s[0]} after the preemption")
+        console.print("[bold]3.[/bold] node 0 killed without notice (every process, SIGKILL)")
+        _post(http, f"/v1/jobs/{job}/chaos", {"action": "kill-node", "node": 0})
+        second = s[1]
+        s = _wait(
+            http,
+            job,
+            "recovery from the node loss",
+            lambda st, n, v, step: n > second and v is not None,
+            deadline,
+        )
+        console.print("[bold]4.[/bold] training on to the end")
+        s = _wait(http, job, "the end", lambda st, n, v, step: st == "SUCCEEDED", deadline)
+        return _report(http, job, svc, home, incident_table)
+    except DemoError as e:
+        console.print(f"[red]demo failed:[/red] {e}")
+        if http is not None and job is not None:
+            with contextlib.suppress(Exception):
+                console.print(incident_table(_get(http, f"/v1/jobs/{job}/incidents")["items"]))
+        console.print(f"logs: {home / 'service.log'}, {home / 'local-nodes'}")
+        return 1
+    finally:
+        if http is not None and job is not None:
+            with contextlib.suppress(Exception):
+                if _get(http, f"/v1/jobs/{job}")["status"] not in ("SUCCEEDED", "FAILED"):
+                    http.post(f"/v1/jobs/{job}/cancel")
+                    time.sleep(3)  # the reconciler tears the nodes down
+        svc.stop()
+
+
+def _report(http: Any, job: str, svc: _Service, home: Path, incident_table: Any) -> int:
+    j = _get(http, f"/v1/jobs/{job}")
+    incs = _get(http, f"/v1/jobs/{job}/incidents")["items"]
+    console.print(incident_table(incs))
+    problems = []
+    if j["status"] != "SUCCEEDED":
+        problems.append(f"job ended {j['status']}: {j.get('status_reason')}")
+    classes = [i["failure_class"] for i in incs]
+    if classes[:2] != ["preemption_notice", "node_lost"]:
+        problems.append(f"expected a preemption then a node loss, got {classes}")
+    for i in incs:
+        v = next((s for s in i["steps"] if s["step"] == "validate"), None)
+        if v is None or v["outcome"] != "ok":
+            problems.append(f"incident {i['id']} ({i['failure_class']}) did not validate")
+    if incs and incs[0]["failure_class"] == "preemption_notice" and incs[0]["steps_lost"] != 0:
+        problems.append(f"the preemption lost {incs[0]['steps_lost']} steps (expected 0)")
+    for i in incs:
+        console.print(
+            f"  incident {i['id']} {i['failure_class']}: resumed at step {i['resumed_step']}, "
+            f"{i['steps_lost']} steps lost, recovered in {i['mttr_s'] or 0:.1f} s"
+        )
+    console.print(f"final status: {j['status']} ({j.get('status_reason')})")
+    console.print(
+        f"dashboard: SKYRESUME_HOME={home} skyresume serve --port {svc.port}, "
+        f"then open {svc.url}/dashboard"
+    )
+    if problems:
+        for p in problems:
+            console.print(f"[red]check failed:[/red] {p}")
+        return 1
+    console.print("[green]demo passed[/green]: training finished with validated resumes")
+    return 0
