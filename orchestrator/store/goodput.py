@@ -1,0 +1,607 @@
+"""Goodput from the store: one job's rows, turned into the pure accounting's input.
+
+``job_goodput(session, job_id)`` reads what the reconciler wrote and asks
+:func:`orchestrator.domain.goodput.account_goodput` for the split. The split is
+Meta's *effective training time* (Llama 3 report): the share of elapsed time spent
+on useful training. Every second of the job's wall time is exactly one of
+
+* **productive**: training whose result was kept;
+* **failure**: an incident's restart protocol, detect to validated relaunch (the
+  union of incident spans, so overlapping incidents count once);
+* **lost work**: steps that had trained and were redone after the resume
+  (``steps_lost x step time``);
+* **checkpoint**: what saves blocked training (0 until ranks report blocking time);
+* **idle**: no attempt was up and no incident was running: queued before the first
+  launch, or waiting between attempts outside any protocol step.
+
+Where each figure comes from:
+
+* wall time: the job's submission to its terminal transition, or ``now``;
+* an **incident** is a failure event that has ``protocol_steps`` rows (the reconciler
+  records DETECT first); its steps give the MTTR breakdown. An unfinished step of a
+  live job runs until ``now``;
+* the attempt that **failed** is the one started last before the event; the attempt
+  that **recovers** is the one whose ``incident_id`` names it;
+* **steps lost** = ``details.last_step`` (the highest step any rank had reported at
+  detection) minus the recovering attempt's ``resume_step``; without ``last_step``
+  the failed attempt's last heartbeat (``nodes.progress``) stands in. Never below 0:
+  an emergency save can land after the last heartbeat. Unknown (``None``) until the
+  recovering attempt has a resume step;
+* **step time**: per attempt, the slowest rank's ``step_time`` in its nodes' last
+  heartbeat (synchronous training goes at the slowest rank's pace); the job's is the
+  mean over attempts weighted by how long each ran;
+* **dollars**: an attempt costs ``num_nodes x price_per_node_hour`` while it is up;
+  an incident costs (MTTR + lost work) at the price of the attempt that failed, as
+  all of its nodes are paid for while nothing useful happens. ``JobRun`` holds one
+  price, but a replacement may run on another plan, so dollars are priced here per
+  attempt and the pure accounting only splits time.
+
+Read-only: nothing here writes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from orchestrator.domain.failures import FailureClass
+from orchestrator.domain.goodput import Incident, JobRun, StepTiming, account_goodput
+from orchestrator.domain.protocol import ORDER, ProtocolStep, StepOutcome
+from orchestrator.domain.status import JobStatus
+from orchestrator.store import repo
+from orchestrator.store.models import Attempt, FailureEvent, Node
+from orchestrator.store.models import ProtocolStep as ProtocolStepRow
+
+log = logging.getLogger(__name__)
+
+
+class InconsistentHistory(ValueError):
+    """The stored history cannot be accounted (e.g. lost work longer than the job)."""
+
+
+def _utc(d: datetime) -> datetime:
+    # SQLite hands back naive datetimes; everything stored is UTC.
+    return d if d.tzinfo else d.replace(tzinfo=UTC)
+
+
+def _iso(d: datetime | None) -> str | None:
+    return _utc(d).isoformat() if d is not None else None
+
+
+@dataclass(frozen=True)
+class StepReport:
+    step: str
+    started_at: datetime
+    finished_at: datetime | None
+    """None while the step runs."""
+    seconds: float
+    outcome: str | None
+    detail: str | None
+
+
+@dataclass(frozen=True)
+class AttemptReport:
+    number: int
+    cloud: str
+    region: str
+    instance_type: str
+    accelerator: str | None
+    num_nodes: int
+    spot: bool
+    price_per_node_hour: float | None
+    started_at: datetime
+    ended_at: datetime | None
+    end_reason: str | None
+    state: str
+    resume_step: int | None
+    validated_step: int | None
+    incident_id: int | None
+    step_seconds: float | None
+    """Slowest rank's step time in the last heartbeat of this attempt's nodes."""
+    usd: float | None
+    """Up time x nodes x price; None when the price is unknown."""
+
+
+@dataclass(frozen=True)
+class IncidentReport:
+    id: int
+    failure_class: str
+    kind: str
+    occurred_at: datetime
+    node_id: str | None
+    message: str | None
+    failed_attempt: int | None
+    recovered_by: int | None
+    cloud: str | None
+    region: str | None
+    instance_type: str | None
+    last_step: int | None
+    resume_step: int | None
+    steps_lost: int | None
+    ongoing: bool
+    """The job is live and the protocol has not validated a relaunch yet."""
+    started_at: datetime
+    mttr_seconds: float
+    steps: tuple[StepReport, ...]
+    step_seconds: dict[str, float]
+    """Seconds per protocol step, in protocol order (a step run twice is summed)."""
+    lost_work_seconds: float
+    usd: float | None
+
+
+@dataclass(frozen=True)
+class JobGoodput:
+    job_id: str
+    name: str
+    status: str
+    restart_count: int
+    started_at: datetime
+    ended_at: datetime
+    """The terminal transition, or the ``now`` the report was made at."""
+    live: bool
+    wall_seconds: float
+    productive_seconds: float
+    idle_seconds: float
+    failure_seconds: float
+    lost_work_seconds: float
+    checkpoint_seconds: float
+    step_seconds: float | None
+    total_usd: float | None
+    lost_usd: float | None
+    attempts: tuple[AttemptReport, ...] = ()
+    incidents: tuple[IncidentReport, ...] = field(default=())
+
+    @property
+    def effective_fraction(self) -> float:
+        """Meta's effective training time: productive / wall."""
+        return self.productive_seconds / self.wall_seconds if self.wall_seconds else 1.0
+
+    def to_json_dict(self) -> dict[str, object]:
+        return {
+            "job_id": self.job_id,
+            "name": self.name,
+            "status": self.status,
+            "restart_count": self.restart_count,
+            "started_at": _iso(self.started_at),
+            "ended_at": _iso(self.ended_at),
+            "live": self.live,
+            "effective_training_fraction": round(self.effective_fraction, 5),
+            "wall_seconds": round(self.wall_seconds, 3),
+            "productive_seconds": round(self.productive_seconds, 3),
+            "idle_seconds": round(self.idle_seconds, 3),
+            "failure_seconds": round(self.failure_seconds, 3),
+            "lost_work_seconds": round(self.lost_work_seconds, 3),
+            "checkpoint_seconds": round(self.checkpoint_seconds, 3),
+            "step_seconds": self.step_seconds,
+            "total_usd": _usd(self.total_usd),
+            "lost_usd": _usd(self.lost_usd),
+            "attempts": [
+                {
+                    "number": a.number,
+                    "cloud": a.cloud,
+                    "region": a.region,
+                    "instance_type": a.instance_type,
+                    "accelerator": a.accelerator,
+                    "num_nodes": a.num_nodes,
+                    "spot": a.spot,
+                    "price_per_node_hour": a.price_per_node_hour,
+                    "started_at": _iso(a.started_at),
+                    "ended_at": _iso(a.ended_at),
+                    "end_reason": a.end_reason,
+                    "state": a.state,
+                    "resume_step": a.resume_step,
+                    "validated_step": a.validated_step,
+                    "incident_id": a.incident_id,
+                    "step_seconds": a.step_seconds,
+                    "usd": _usd(a.usd),
+                }
+                for a in self.attempts
+            ],
+            "incidents": [
+                {
+                    "id": i.id,
+                    "class": i.failure_class,
+                    "kind": i.kind,
+                    "occurred_at": _iso(i.occurred_at),
+                    "node_id": i.node_id,
+                    "message": i.message,
+                    "failed_attempt": i.failed_attempt,
+                    "recovered_by": i.recovered_by,
+                    "cloud": i.cloud,
+                    "region": i.region,
+                    "instance_type": i.instance_type,
+                    "last_step": i.last_step,
+                    "resume_step": i.resume_step,
+                    "steps_lost": i.steps_lost,
+                    "ongoing": i.ongoing,
+                    "started_at": _iso(i.started_at),
+                    "mttr_seconds": round(i.mttr_seconds, 3),
+                    "step_seconds": {k: round(v, 3) for k, v in i.step_seconds.items()},
+                    "steps": [
+                        {
+                            "step": s.step,
+                            "started_at": _iso(s.started_at),
+                            "finished_at": _iso(s.finished_at),
+                            "seconds": round(s.seconds, 3),
+                            "outcome": s.outcome,
+                            "detail": s.detail,
+                        }
+                        for s in i.steps
+                    ],
+                    "lost_work_seconds": round(i.lost_work_seconds, 3),
+                    "usd": _usd(i.usd),
+                }
+                for i in self.incidents
+            ],
+        }
+
+
+@dataclass(frozen=True)
+class _Gathered:
+    """What the store knows of one incident beyond the pure ``Incident``."""
+
+    event: FailureEvent
+    failed: Attempt | None
+    recovering: Attempt | None
+    last_step: int | None
+    resume_step: int | None
+    steps_lost: int | None
+    ongoing: bool
+    steps: tuple[StepReport, ...]
+
+
+def _sum_or_none(xs: Sequence[float | None]) -> float | None:
+    total = 0.0
+    for x in xs:
+        if x is None:
+            return None
+        total += x
+    return total
+
+
+def _usd(x: float | None) -> float | None:
+    return round(x, 2) if x is not None else None
+
+
+def _as_int(x: object) -> int | None:
+    # JSON from agents: a bool is an int in Python and never a step.
+    return x if isinstance(x, int) and not isinstance(x, bool) else None
+
+
+def _rank_values(progress: object, key: str) -> list[float]:
+    if not isinstance(progress, dict):
+        return []
+    ranks = progress.get("ranks")
+    if not isinstance(ranks, list):
+        return []
+    out = []
+    for r in ranks:
+        v = r.get(key) if isinstance(r, dict) else None
+        if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0:
+            out.append(float(v))
+    return out
+
+
+def _union_seconds(spans: Iterable[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def _dollars_per_second(a: Attempt) -> float | None:
+    if a.price_per_node_hour is None:
+        return None
+    return a.num_nodes * a.price_per_node_hour / 3600.0
+
+
+def _placement(
+    attempts: Sequence[Attempt], event: FailureEvent
+) -> tuple[Attempt | None, list[Attempt]]:
+    """(the attempt that failed, the attempts that recover from ``event``).
+
+    The one that failed is the last started before the event and before any
+    attempt that recovers from it."""
+    occurred = _utc(event.occurred_at)
+    recovering = [a for a in attempts if a.incident_id == event.id]
+    before = [
+        a
+        for a in attempts
+        if _utc(a.started_at) <= occurred and (not recovering or a.number < recovering[0].number)
+    ]
+    return (before[-1] if before else None), recovering
+
+
+def job_wall_span(session: Session, job_id: str, now: datetime) -> tuple[datetime, datetime, bool]:
+    """(submitted, ended or now, live) for one job."""
+    job = repo.get_job(session, job_id)
+    live = not JobStatus(job.status).is_terminal()
+    start = _utc(job.created_at)
+    end = now if live else _utc(job.updated_at)
+    return start, max(start, end), live
+
+
+def job_goodput(session: Session, job_id: str, *, now: datetime | None = None) -> JobGoodput:
+    """The goodput report of one job; raises ``repo.NotFound`` for an unknown id."""
+    now = _utc(now or repo.utcnow())
+    job = repo.get_job(session, job_id)
+    wall_start, wall_end, live = job_wall_span(session, job_id, now)
+    wall = (wall_end - wall_start).total_seconds()
+
+    def t(d: datetime | None) -> float:
+        """Seconds since submission, clamped into the wall span (None = the span's end)."""
+        if d is None:
+            return wall
+        return min(max((_utc(d) - wall_start).total_seconds(), 0.0), wall)
+
+    attempts = list(
+        session.scalars(select(Attempt).where(Attempt.job_id == job_id).order_by(Attempt.number))
+    )
+    nodes = list(session.scalars(select(Node).where(Node.job_id == job_id)))
+    step_rows = list(
+        session.scalars(
+            select(ProtocolStepRow)
+            .where(ProtocolStepRow.job_id == job_id)
+            .order_by(ProtocolStepRow.started_at, ProtocolStepRow.id)
+        )
+    )
+
+    # Per attempt: measured step time (slowest rank) and last reported step.
+    step_times: dict[int, list[float]] = defaultdict(list)
+    last_steps: dict[int, list[float]] = defaultdict(list)
+    for n in nodes:
+        step_times[n.attempt] += _rank_values(n.progress, "step_time")
+        last_steps[n.attempt] += _rank_values(n.progress, "step")
+    attempt_step_s = {a.number: max(step_times[a.number], default=None) for a in attempts}
+    weighted = [
+        (step_s, t(a.ended_at) - t(a.started_at))
+        for a in attempts
+        if (step_s := attempt_step_s[a.number]) is not None
+    ]
+    up = sum(w for _, w in weighted)
+    job_step_s: float | None = None
+    if weighted:
+        job_step_s = (
+            sum(s * w for s, w in weighted) / up
+            if up > 0
+            else sum(s for s, _ in weighted) / len(weighted)
+        )
+
+    by_incident: dict[int, list[ProtocolStepRow]] = defaultdict(list)
+    for r in step_rows:
+        by_incident[r.incident_id].append(r)
+    events = {
+        e.id: e
+        for e in session.scalars(
+            select(FailureEvent).where(FailureEvent.id.in_(list(by_incident) or [-1]))
+        )
+    }
+
+    incidents: list[Incident] = []
+    gathered: list[_Gathered] = []
+    for incident_id in sorted(by_incident, key=lambda i: (by_incident[i][0].started_at, i)):
+        ev = events[incident_id]
+        rows = by_incident[incident_id]
+        timings = []
+        reports = []
+        for r in rows:
+            try:
+                step = ProtocolStep(r.step)
+            except ValueError:
+                log.warning("job %s incident %s: unknown protocol step %r", job_id, ev.id, r.step)
+                continue
+            start, end = t(r.started_at), t(r.finished_at)
+            timings.append(StepTiming(step, start, max(start, end)))
+            reports.append(
+                StepReport(
+                    r.step,
+                    _utc(r.started_at),
+                    _utc(r.finished_at) if r.finished_at else None,
+                    max(start, end) - start,
+                    r.outcome,
+                    r.detail,
+                )
+            )
+        if not timings:
+            continue
+        failed, recovering = _placement(attempts, ev)
+        resumer = next((a for a in recovering if a.resume_step is not None), None)
+        last_step = _as_int((ev.details or {}).get("last_step"))
+        if last_step is None and failed is not None and last_steps[failed.number]:
+            last_step = int(max(last_steps[failed.number]))
+        resume_step = resumer.resume_step if resumer else None
+        steps_lost = (
+            max(0, last_step - resume_step)
+            if last_step is not None and resume_step is not None
+            else None
+        )
+        validated = any(
+            r.step == ProtocolStep.VALIDATE
+            and r.finished_at is not None
+            and r.outcome == StepOutcome.OK
+            for r in rows
+        )
+        unfinished = any(r.finished_at is None for r in rows)
+        try:
+            cls = FailureClass(ev.failure_class or "unknown")
+        except ValueError:
+            cls = FailureClass.UNKNOWN
+        incidents.append(Incident(cls, tuple(timings), steps_lost or 0))
+        gathered.append(
+            _Gathered(
+                ev,
+                failed,
+                resumer or (recovering[0] if recovering else None),
+                last_step,
+                resume_step,
+                steps_lost,
+                live and (unfinished or not validated),
+                tuple(reports),
+            )
+        )
+
+    latest = attempts[-1] if attempts else None
+    try:
+        report = account_goodput(
+            JobRun(
+                started=0.0,
+                ended=wall,
+                gpus=max(1, latest.num_nodes) if latest else 1,
+                step_seconds=job_step_s or 0.0,
+                # Dollars are priced per attempt below (module docstring): one price
+                # here would misprice a replacement on another plan.
+                price_per_gpu_hour=0.0,
+                incidents=tuple(incidents),
+            )
+        )
+    except ValueError as e:
+        raise InconsistentHistory(f"job {job_id}: {e}") from None
+
+    attempt_spans = [(t(a.started_at), t(a.ended_at)) for a in attempts]
+    incident_spans = [(i.started, i.ended) for i in incidents]
+    idle = wall - _union_seconds([*attempt_spans, *incident_spans])
+    productive = report.productive_seconds - idle
+    if productive < 0:
+        # Lost work priced at a mean step time can exceed the up time it was
+        # measured in; never report negative training.
+        log.warning("job %s: lost work exceeds up time by %.0f s", job_id, -productive)
+        productive = 0.0
+
+    attempt_reports = []
+    for a, (a0, a1) in zip(attempts, attempt_spans, strict=True):
+        rate = _dollars_per_second(a)
+        attempt_reports.append(
+            AttemptReport(
+                a.number,
+                a.cloud,
+                a.region,
+                a.instance_type,
+                a.accelerator,
+                a.num_nodes,
+                a.spot,
+                a.price_per_node_hour,
+                _utc(a.started_at),
+                _utc(a.ended_at) if a.ended_at else None,
+                a.end_reason,
+                a.state,
+                a.resume_step,
+                a.validated_step,
+                a.incident_id,
+                attempt_step_s[a.number],
+                (a1 - a0) * rate if rate is not None else None,
+            )
+        )
+
+    incident_reports = []
+    for inc, cost, g in zip(incidents, report.incidents, gathered, strict=True):
+        ev, failed = g.event, g.failed
+        rate = _dollars_per_second(failed) if failed is not None else None
+        incident_reports.append(
+            IncidentReport(
+                id=ev.id,
+                failure_class=ev.failure_class or FailureClass.UNKNOWN.value,
+                kind=ev.kind,
+                occurred_at=_utc(ev.occurred_at),
+                node_id=ev.node_id,
+                message=ev.message,
+                failed_attempt=failed.number if failed else None,
+                recovered_by=g.recovering.number if g.recovering else None,
+                cloud=failed.cloud if failed else None,
+                region=failed.region if failed else None,
+                instance_type=failed.instance_type if failed else None,
+                last_step=g.last_step,
+                resume_step=g.resume_step,
+                steps_lost=g.steps_lost,
+                ongoing=g.ongoing,
+                started_at=wall_start + timedelta(seconds=inc.started),
+                mttr_seconds=cost.mttr_seconds,
+                step_seconds={
+                    str(s): cost.step_seconds[s] for s in ORDER if s in cost.step_seconds
+                },
+                steps=g.steps,
+                lost_work_seconds=cost.lost_work_seconds,
+                usd=(cost.mttr_seconds + cost.lost_work_seconds) * rate
+                if rate is not None
+                else None,
+            )
+        )
+
+    # A sum with an unpriced part would understate: say "unknown" instead.
+    total_usd = _sum_or_none([a.usd for a in attempt_reports])
+    lost_usd = _sum_or_none([i.usd for i in incident_reports])
+    return JobGoodput(
+        job_id=job.id,
+        name=job.name,
+        status=job.status,
+        restart_count=job.restart_count,
+        started_at=wall_start,
+        ended_at=wall_end,
+        live=live,
+        wall_seconds=wall,
+        productive_seconds=productive,
+        idle_seconds=idle,
+        failure_seconds=report.failure_seconds,
+        lost_work_seconds=report.lost_work_seconds,
+        checkpoint_seconds=report.checkpoint_seconds,
+        step_seconds=job_step_s,
+        total_usd=total_usd,
+        lost_usd=lost_usd,
+        attempts=tuple(attempt_reports),
+        incidents=tuple(incident_reports),
+    )
+
+
+@dataclass(frozen=True)
+class FleetIncident:
+    """One incident, placed where it happened (the attempt that failed)."""
+
+    job_id: str
+    incident_id: int
+    occurred_at: datetime
+    failure_class: str
+    cloud: str | None
+    region: str | None
+    instance_type: str | None
+
+
+def fleet_incidents(
+    session: Session, *, since: datetime | None = None, job_ids: Sequence[str] | None = None
+) -> list[FleetIncident]:
+    """Every incident of every job (or of ``job_ids``), oldest first."""
+    ids = select(ProtocolStepRow.incident_id).distinct()
+    q = select(FailureEvent).where(FailureEvent.id.in_(ids))
+    if since is not None:
+        q = q.where(FailureEvent.occurred_at >= since)
+    if job_ids is not None:
+        q = q.where(FailureEvent.job_id.in_(list(job_ids)))
+    events = list(session.scalars(q.order_by(FailureEvent.occurred_at, FailureEvent.id)))
+    jobs = {e.job_id for e in events}
+    attempts: dict[str, list[Attempt]] = defaultdict(list)
+    if jobs:
+        for a in session.scalars(
+            select(Attempt).where(Attempt.job_id.in_(jobs)).order_by(Attempt.number)
+        ):
+            attempts[a.job_id].append(a)
+    out = []
+    for e in events:
+        failed, _ = _placement(attempts[e.job_id], e)
+        out.append(
+            FleetIncident(
+                e.job_id,
+                e.id,
+                _utc(e.occurred_at),
+                e.failure_class or FailureClass.UNKNOWN.value,
+                failed.cloud if failed else None,
+                failed.region if failed else None,
+                failed.instance_type if failed else None,
+            )
+        )
+    return out
