@@ -1,0 +1,235 @@
+"""The reconciler's pure decision, on hand-built snapshots at a fixed NOW."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from orchestrator.domain import reconcile as rc
+from orchestrator.domain.failures import FailureClass as F
+from orchestrator.domain.protocol import ProtocolStep as P
+from orchestrator.domain.protocol import StepOutcome as O
+from orchestrator.domain.status import JobStatus as S
+
+NOW = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC)
+
+
+def ago(s: float) -> datetime:
+    return NOW - timedelta(seconds=s)
+
+
+def node(k: int, *, attempt: int = 1, steps=(50, 50), resumed=(0, 0), hb=1.0, **kw):
+    ranks = tuple(
+        rc.RankView(rank=2 * k + i, step=st, resumed_step=rs, report_age_s=0.2)
+        for i, (st, rs) in enumerate(zip(steps, resumed, strict=True))
+    )
+    base = dict(
+        node_id=f"j-a{attempt}-n{k}",
+        node_rank=k,
+        last_heartbeat_at=ago(hb),
+        alive=True,
+        ranks=ranks,
+    )
+    return rc.NodeView(**{**base, **kw})
+
+
+def attempt(number=1, *, validated=0, expected=None, nodes=None, started=120.0, state="running"):
+    return rc.AttemptView(
+        number=number,
+        state=state,
+        started_at=ago(started),
+        num_nodes=2,
+        ranks_per_node=2,
+        expected_step=expected,
+        validated_step=validated,
+        nodes=tuple(
+            nodes if nodes is not None else (node(0, attempt=number), node(1, attempt=number))
+        ),
+    )
+
+
+def snap(**kw) -> rc.JobSnapshot:
+    base = dict(
+        job_id="j",
+        status=S.RUNNING,
+        now=NOW,
+        num_nodes=2,
+        ranks_per_node=2,
+        heartbeat_timeout_s=30.0,
+        grace_s=60.0,
+        attempt=attempt(),
+    )
+    return rc.JobSnapshot(**{**base, **kw})
+
+
+def failure(cls=F.PREEMPTION_NOTICE, kind="preemption_notice", node_id="j-a1-n1", code=None, id_=7):
+    return rc.Failure(id_, kind, cls, ago(2), node_id=node_id, exit_code=code, message="m")
+
+
+def incident(steps: dict, cls=F.PREEMPTION_NOTICE, attempt_=1) -> rc.IncidentView:
+    return rc.IncidentView(event_id=99, attempt=attempt_, failure_class=cls, steps=steps)
+
+
+def done(*names: P, at: float = 5.0) -> dict:
+    return {p: rc.StepView(ago(at), ago(at - 1), O.OK) for p in names}
+
+
+def test_a_new_job_is_launched_as_attempt_one():
+    assert rc.decide(snap(status=S.PENDING, attempt=None)) == [
+        rc.SetStatus(S.PROVISIONING, "launching attempt 1"),
+        rc.Launch(1),
+    ]
+
+
+def test_every_rank_reporting_the_same_resume_step_makes_the_job_running():
+    a = attempt(validated=None)
+    out = rc.decide(snap(status=S.PROVISIONING, attempt=a))
+    assert out[0] == rc.MarkValidated(1, 0)
+    assert out[1].status is S.RUNNING
+
+
+def test_ranks_that_disagree_on_their_resume_step_are_not_validated():
+    a = attempt(validated=None, nodes=(node(0, resumed=(0, 0)), node(1, resumed=(0, 10))))
+    assert rc.decide(snap(status=S.PROVISIONING, attempt=a)) == []
+
+
+def test_one_missing_rank_report_is_not_validated():
+    a = attempt(validated=None, nodes=(node(0), node(1, resumed=(0, None))))
+    assert rc.decide(snap(status=S.PROVISIONING, attempt=a)) == []
+
+
+def test_a_preemption_notice_opens_an_incident_with_the_last_step_seen():
+    out = rc.decide(snap(failures=(failure(),)))
+    assert out[0] == rc.OpenIncident(failure(), 1, 50)
+    assert out[1].status is S.RECOVERING
+
+
+def test_a_vanished_node_is_recorded_before_its_peers_crashes_name_the_incident():
+    crash = failure(F.NCCL_TRANSPORT, "rank_exit", "j-a1-n1", code=1)
+    a = attempt(nodes=(node(0, alive=False), node(1)))
+    out = rc.decide(snap(attempt=a, failures=(crash,)))
+    assert len(out) == 1 and isinstance(out[0], rc.RecordFailure)
+    assert out[0].failure_class is F.NODE_LOST and out[0].node_id == "j-a1-n0"
+    lost = failure(F.NODE_LOST, "node_lost", "j-a1-n0", id_=8)
+    out = rc.decide(snap(attempt=a, failures=(crash, lost)))
+    assert out[0].cause == lost
+
+
+def test_silence_past_the_heartbeat_timeout_is_a_lost_node():
+    a = attempt(nodes=(node(0), node(1, hb=31)))
+    (out,) = rc.decide(snap(attempt=a))
+    assert out.kind == "node_lost" and "no heartbeat for 31 s" in out.message
+
+
+def test_a_rank_without_progress_after_validation_is_a_hang():
+    stalled = rc.RankView(rank=3, step=50, resumed_step=0, report_age_s=29.5)
+    n1 = replace(node(1), ranks=(node(1).ranks[0], stalled))
+    (out,) = rc.decide(snap(attempt=attempt(nodes=(node(0), n1))))
+    assert out.kind == "rank_hang" and out.rank == 3 and out.failure_class is F.NCCL_TIMEOUT
+
+
+def test_a_rank_still_loading_before_validation_is_not_a_hang():
+    slow = rc.RankView(rank=3, step=None, resumed_step=None, report_age_s=100.0)
+    n1 = replace(node(1), ranks=(node(1).ranks[0], slow))
+    assert (
+        rc.decide(snap(status=S.PROVISIONING, attempt=attempt(validated=None, nodes=(node(0), n1))))
+        == []
+    )
+
+
+def test_a_node_that_never_registers_is_lost_after_the_register_timeout():
+    a = attempt(validated=None, nodes=(node(0),), started=181)
+    (out,) = rc.decide(snap(status=S.PROVISIONING, attempt=a))
+    assert out.kind == "node_lost" and "node 1 of attempt 1 never registered" in out.message
+
+
+def test_every_node_exiting_zero_is_success():
+    a = attempt(nodes=(node(0, exited=True, exit_code=0), node(1, exited=True, exit_code=0)))
+    out = rc.decide(snap(attempt=a))
+    assert out[0].status is S.SUCCEEDED and out[1] == rc.Release(1, "finished")
+
+
+def test_a_rank_refusing_its_checkpoint_fails_the_job_without_retry():
+    refusal = failure(F.CHECKPOINT_IO, "rank_exit", code=78)
+    out = rc.decide(snap(failures=(refusal,)))
+    assert out[0].status is S.FAILED and "refused to resume" in out[0].reason
+    assert out[1] == rc.Release(1, out[0].reason)
+
+
+def test_signal_asks_for_a_save_after_a_notice_and_for_a_stop_after_a_loss():
+    out = rc.decide(snap(status=S.RECOVERING, incident=incident(done(P.DETECT))))
+    assert out == [
+        rc.StartStep(99, P.SIGNAL),
+        rc.SendCommand(1, "checkpoint_and_stop", {"reason": "preemption_notice", "grace_s": 60.0}),
+    ]
+    out = rc.decide(snap(status=S.RECOVERING, incident=incident(done(P.DETECT), F.NODE_LOST)))
+    assert out[1] == rc.SendCommand(1, "stop", {"reason": "node_lost"})
+
+
+def test_signal_waits_for_every_node_then_finishes():
+    started = {**done(P.DETECT), P.SIGNAL: rc.StepView(ago(3))}
+    running = snap(status=S.RECOVERING, incident=incident(started))
+    assert rc.decide(running) == []
+    a = attempt(nodes=(node(0, exited=True, exit_code=75), node(1, alive=False)), state="stopping")
+    (out,) = rc.decide(replace(running, attempt=a))
+    assert out.step is P.SIGNAL and out.outcome is O.OK
+
+
+def test_signal_gives_up_waiting_after_the_grace_period_and_names_who_was_left():
+    started = {**done(P.DETECT), P.SIGNAL: rc.StepView(ago(76))}
+    (out,) = rc.decide(snap(status=S.RECOVERING, incident=incident(started)))
+    assert out.outcome is O.OK and "j-a1-n0, j-a1-n1" in out.detail
+
+
+@pytest.mark.parametrize(
+    "finished, expected",
+    [
+        ((P.DETECT, P.SIGNAL), rc.RunStep(99, P.CONFIRM_CHECKPOINT)),
+        ((P.DETECT, P.SIGNAL, P.CONFIRM_CHECKPOINT), rc.RunStep(99, P.SELECT_REPLACEMENT)),
+        (tuple(P)[:4], rc.RunStep(99, P.STAGE)),
+        (tuple(P)[:5], rc.Launch(2, incident_id=99)),
+    ],
+)
+def test_the_protocol_runs_its_steps_in_order(finished, expected):
+    assert rc.decide(snap(status=S.RECOVERING, incident=incident(done(*finished)))) == [expected]
+
+
+def _validating(a2: rc.AttemptView, failures=()) -> rc.JobSnapshot:
+    steps = {**done(*tuple(P)[:6]), P.VALIDATE: rc.StepView(ago(2))}
+    return snap(status=S.PROVISIONING, attempt=a2, incident=incident(steps), failures=failures)
+
+
+def test_validate_passes_when_every_rank_resumed_at_the_expected_step():
+    nodes = (node(0, attempt=2, resumed=(40, 40)), node(1, attempt=2, resumed=(40, 40)))
+    a2 = attempt(2, validated=None, expected=40, nodes=nodes)
+    out = rc.decide(_validating(a2))
+    assert out[0].outcome is O.OK and out[1] == rc.MarkValidated(2, 40)
+    assert out[2].status is S.RUNNING
+
+
+def test_validate_refuses_a_resume_at_another_step_than_the_confirmed_one():
+    nodes = (node(0, attempt=2, resumed=(30, 30)), node(1, attempt=2, resumed=(30, 30)))
+    a2 = attempt(2, validated=None, expected=40, nodes=nodes, started=5)
+    assert rc.decide(_validating(a2)) == []
+
+
+def test_validate_fails_the_job_when_ranks_refuse_to_resume():
+    a2 = attempt(2, validated=None, expected=40, nodes=(), started=5)
+    refusal = failure(F.CHECKPOINT_IO, "rank_exit", "j-a2-n0", code=77)
+    out = rc.decide(_validating(a2, (refusal,)))
+    assert out[0].outcome is O.FAILED
+    assert out[1].status is S.FAILED
+
+
+def test_a_new_failure_before_validation_closes_the_incident_as_failed():
+    a2 = attempt(2, validated=None, expected=40, nodes=(), started=5)
+    lost = failure(F.NODE_LOST, "node_lost", "j-a2-n1")
+    (out,) = rc.decide(_validating(a2, (lost,)))
+    assert out.step is P.VALIDATE and out.outcome is O.FAILED
+
+
+def test_a_terminal_job_releases_its_nodes_once():
+    assert rc.decide(snap(status=S.CANCELLED)) == [rc.Release(1, "job CANCELLED")]
+    assert rc.decide(snap(status=S.CANCELLED, attempt=attempt(state="ended"))) == []
