@@ -14,7 +14,7 @@ from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import Engine, func, select, text
 
 from orchestrator import __version__
-from orchestrator.api import routes_agents, routes_jobs, routes_recovery
+from orchestrator.api import routes_agents, routes_goodput, routes_jobs, routes_recovery
 from orchestrator.api.auth import ensure_local_token
 from orchestrator.domain.status import JobStatus
 from orchestrator.settings import Settings
@@ -98,6 +98,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         return PlainTextResponse(generate_latest(registry).decode(), media_type="text/plain")
 
     app.include_router(routes_jobs.router)
+    app.include_router(routes_goodput.router)
     app.include_router(routes_agents.router)
     app.include_router(routes_recovery.router)
     return app

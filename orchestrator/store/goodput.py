@@ -20,8 +20,9 @@ Where each figure comes from:
 * an **incident** is a failure event that has ``protocol_steps`` rows (the reconciler
   records DETECT first); its steps give the MTTR breakdown. An unfinished step of a
   live job runs until ``now``;
-* the attempt that **failed** is the one started last before the event; the attempt
-  that **recovers** is the one whose ``incident_id`` names it;
+* the attempt that **failed** is ``details.attempt`` (else the one started last
+  before the event); the attempt that **recovers** is the one whose ``incident_id``
+  names the incident;
 * **steps lost** = ``details.last_step`` (the highest step any rank had reported at
   detection) minus the recovering attempt's ``resume_step``; without ``last_step``
   the failed attempt's last heartbeat (``nodes.progress``) stands in. Never below 0:
@@ -70,10 +71,6 @@ def _utc(d: datetime) -> datetime:
     return d if d.tzinfo else d.replace(tzinfo=UTC)
 
 
-def _iso(d: datetime | None) -> str | None:
-    return _utc(d).isoformat() if d is not None else None
-
-
 @dataclass(frozen=True)
 class StepReport:
     step: str
@@ -113,6 +110,7 @@ class IncidentReport:
     id: int
     failure_class: str
     kind: str
+    """The cause's kind (preemption_notice, rank_exit, node_lost, ...)."""
     occurred_at: datetime
     node_id: str | None
     message: str | None
@@ -158,88 +156,9 @@ class JobGoodput:
     incidents: tuple[IncidentReport, ...] = field(default=())
 
     @property
-    def effective_fraction(self) -> float:
+    def effective_training_fraction(self) -> float:
         """Meta's effective training time: productive / wall."""
         return self.productive_seconds / self.wall_seconds if self.wall_seconds else 1.0
-
-    def to_json_dict(self) -> dict[str, object]:
-        return {
-            "job_id": self.job_id,
-            "name": self.name,
-            "status": self.status,
-            "restart_count": self.restart_count,
-            "started_at": _iso(self.started_at),
-            "ended_at": _iso(self.ended_at),
-            "live": self.live,
-            "effective_training_fraction": round(self.effective_fraction, 5),
-            "wall_seconds": round(self.wall_seconds, 3),
-            "productive_seconds": round(self.productive_seconds, 3),
-            "idle_seconds": round(self.idle_seconds, 3),
-            "failure_seconds": round(self.failure_seconds, 3),
-            "lost_work_seconds": round(self.lost_work_seconds, 3),
-            "checkpoint_seconds": round(self.checkpoint_seconds, 3),
-            "step_seconds": self.step_seconds,
-            "total_usd": _usd(self.total_usd),
-            "lost_usd": _usd(self.lost_usd),
-            "attempts": [
-                {
-                    "number": a.number,
-                    "cloud": a.cloud,
-                    "region": a.region,
-                    "instance_type": a.instance_type,
-                    "accelerator": a.accelerator,
-                    "num_nodes": a.num_nodes,
-                    "spot": a.spot,
-                    "price_per_node_hour": a.price_per_node_hour,
-                    "started_at": _iso(a.started_at),
-                    "ended_at": _iso(a.ended_at),
-                    "end_reason": a.end_reason,
-                    "state": a.state,
-                    "resume_step": a.resume_step,
-                    "validated_step": a.validated_step,
-                    "incident_id": a.incident_id,
-                    "step_seconds": a.step_seconds,
-                    "usd": _usd(a.usd),
-                }
-                for a in self.attempts
-            ],
-            "incidents": [
-                {
-                    "id": i.id,
-                    "class": i.failure_class,
-                    "kind": i.kind,
-                    "occurred_at": _iso(i.occurred_at),
-                    "node_id": i.node_id,
-                    "message": i.message,
-                    "failed_attempt": i.failed_attempt,
-                    "recovered_by": i.recovered_by,
-                    "cloud": i.cloud,
-                    "region": i.region,
-                    "instance_type": i.instance_type,
-                    "last_step": i.last_step,
-                    "resume_step": i.resume_step,
-                    "steps_lost": i.steps_lost,
-                    "ongoing": i.ongoing,
-                    "started_at": _iso(i.started_at),
-                    "mttr_seconds": round(i.mttr_seconds, 3),
-                    "step_seconds": {k: round(v, 3) for k, v in i.step_seconds.items()},
-                    "steps": [
-                        {
-                            "step": s.step,
-                            "started_at": _iso(s.started_at),
-                            "finished_at": _iso(s.finished_at),
-                            "seconds": round(s.seconds, 3),
-                            "outcome": s.outcome,
-                            "detail": s.detail,
-                        }
-                        for s in i.steps
-                    ],
-                    "lost_work_seconds": round(i.lost_work_seconds, 3),
-                    "usd": _usd(i.usd),
-                }
-                for i in self.incidents
-            ],
-        }
 
 
 @dataclass(frozen=True)
@@ -263,10 +182,6 @@ def _sum_or_none(xs: Sequence[float | None]) -> float | None:
             return None
         total += x
     return total
-
-
-def _usd(x: float | None) -> float | None:
-    return round(x, 2) if x is not None else None
 
 
 def _as_int(x: object) -> int | None:
@@ -303,21 +218,31 @@ def _dollars_per_second(a: Attempt) -> float | None:
     return a.num_nodes * a.price_per_node_hour / 3600.0
 
 
+def _cause_id(event: FailureEvent) -> int | None:
+    return _as_int((event.details or {}).get("cause_event_id"))
+
+
 def _placement(
     attempts: Sequence[Attempt], event: FailureEvent
 ) -> tuple[Attempt | None, list[Attempt]]:
     """(the attempt that failed, the attempts that recover from ``event``).
 
-    The one that failed is the last started before the event and before any
-    attempt that recovers from it."""
-    occurred = _utc(event.occurred_at)
+    The reconciler names the failed attempt in ``details.attempt``; without it, the
+    failed one is the last started before the event and before any attempt that
+    recovers from it."""
     recovering = [a for a in attempts if a.incident_id == event.id]
-    before = [
-        a
-        for a in attempts
-        if _utc(a.started_at) <= occurred and (not recovering or a.number < recovering[0].number)
-    ]
-    return (before[-1] if before else None), recovering
+    named = _as_int((event.details or {}).get("attempt"))
+    failed = next((a for a in attempts if a.number == named), None)
+    if failed is None:
+        occurred = _utc(event.occurred_at)
+        before = [
+            a
+            for a in attempts
+            if _utc(a.started_at) <= occurred
+            and (not recovering or a.number < recovering[0].number)
+        ]
+        failed = before[-1] if before else None
+    return failed, recovering
 
 
 def job_wall_span(session: Session, job_id: str, now: datetime) -> tuple[datetime, datetime, bool]:
@@ -383,6 +308,12 @@ def job_goodput(session: Session, job_id: str, *, now: datetime | None = None) -
         for e in session.scalars(
             select(FailureEvent).where(FailureEvent.id.in_(list(by_incident) or [-1]))
         )
+    }
+    # The reconciler's incident event names its cause (a notice, a rank exit, ...).
+    cause_ids = [c for e in events.values() if (c := _cause_id(e)) is not None]
+    causes = {
+        e.id: e
+        for e in session.scalars(select(FailureEvent).where(FailureEvent.id.in_(cause_ids or [-1])))
     }
 
     incidents: list[Incident] = []
@@ -508,7 +439,7 @@ def job_goodput(session: Session, job_id: str, *, now: datetime | None = None) -
             IncidentReport(
                 id=ev.id,
                 failure_class=ev.failure_class or FailureClass.UNKNOWN.value,
-                kind=ev.kind,
+                kind=causes[c].kind if (c := _cause_id(ev)) in causes else ev.kind,
                 occurred_at=_utc(ev.occurred_at),
                 node_id=ev.node_id,
                 message=ev.message,

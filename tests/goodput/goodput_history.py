@@ -179,16 +179,22 @@ class JobHistory:
         steps: Sequence[tuple[ProtocolStep, float]],
         *,
         last_step: int | None,
-        kind: str | None = None,
+        attempt: int | None = None,
+        cause_kind: str = "rank_exit",
         message: str | None = None,
         finished: int | None = None,
     ) -> FailureEvent:
-        """An incident detected at ``t``; its steps run back to back.
+        """An incident detected at ``t`` as the reconciler opens one: the cause event,
+        then a ``kind="incident"`` event naming the failed attempt and the last step
+        seen; its protocol steps run back to back.
 
         ``finished``: how many steps have ended (the rest: the last one started, open).
         """
-        details: dict[str, Any] = {"last_step": last_step} if last_step is not None else {}
-        ev = self.event(t, kind or failure_class, failure_class, message=message, details=details)
+        cause = self.event(t, cause_kind, failure_class, message=message)
+        details: dict[str, Any] = {"cause_event_id": cause.id, "last_step": last_step}
+        if attempt is not None:
+            details["attempt"] = attempt
+        ev = self.event(t, "incident", failure_class, message=message, details=details)
         clock = t
         done = len(steps) if finished is None else finished
         for i, (step, seconds) in enumerate(steps):
@@ -227,6 +233,8 @@ def two_incident_job(session: Session, name: str = "gpt-7b") -> JobHistory:
         "preemption_notice",
         NOTICE_STEPS,
         last_step=1872,
+        attempt=1,
+        cause_kind="preemption_notice",
         message="aws spot instance-action terminate at 2026-11-03T09:02:00Z",
     )
     h.status(JobStatus.RECOVERING, 3600, "preemption notice")
@@ -251,6 +259,8 @@ def two_incident_job(session: Session, name: str = "gpt-7b") -> JobHistory:
         "node_lost",
         LOST_STEPS,
         last_step=4263,
+        attempt=2,
+        cause_kind="node_lost",
         message="no heartbeat from <node-1> for 30 s",
     )
     h.status(JobStatus.RECOVERING, 10_800, "node lost")

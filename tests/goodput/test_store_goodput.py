@@ -36,6 +36,7 @@ def test_incident_mttr_is_its_protocol_steps_and_steps_lost_is_last_step_minus_r
 
     notice, lost = r.incidents
     assert (notice.failure_class, lost.failure_class) == ("preemption_notice", "node_lost")
+    assert (notice.kind, lost.kind) == ("preemption_notice", "node_lost")  # the causes
     assert notice.mttr_seconds == pytest.approx(sum(s for _, s in NOTICE_STEPS))
     assert notice.step_seconds == pytest.approx({str(k): v for k, v in NOTICE_STEPS})
     assert list(notice.step_seconds) == [str(k) for k, _ in NOTICE_STEPS]  # protocol order
@@ -69,7 +70,7 @@ def test_wall_time_is_productive_plus_idle_failure_and_lost_work(session):
         + r.checkpoint_seconds
     )
     assert parts == pytest.approx(r.wall_seconds)
-    assert r.effective_fraction == pytest.approx((18_000 - 300 - 809 - 119.7) / 18_000)
+    assert r.effective_training_fraction == pytest.approx((18_000 - 300 - 809 - 119.7) / 18_000)
     assert r.restart_count == 2 and not r.live
 
 
@@ -135,7 +136,7 @@ def test_job_that_never_launched_is_all_idle(session):
     _reread(session)
     r = job_goodput(session, h.id, now=at(600))
     assert r.idle_seconds == pytest.approx(600) and r.productive_seconds == 0
-    assert r.effective_fraction == 0 and r.incidents == () and r.total_usd == 0
+    assert r.effective_training_fraction == 0 and r.incidents == () and r.total_usd == 0
 
 
 def test_unknown_job_is_not_found(session):
