@@ -30,6 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from orchestrator.cloud.simulator import MetadataSimulator
+from orchestrator.domain.plan import Placement
+from orchestrator.domain.spec import JobSpec
 from orchestrator.launchers.base import (
     ClusterState,
     ClusterStatus,
@@ -149,6 +151,20 @@ class LocalLauncher:
             return None
 
     # --- Launcher protocol ------------------------------------------------------------
+
+    def placement_for(self, spec: JobSpec) -> Placement:
+        """Every node is a process on this machine: one shape, no price, no regions."""
+        return Placement(
+            cloud="local",
+            region="local",
+            instance_type="cpu-process",
+            accelerator=None,
+            accelerator_count=0,
+            num_nodes=spec.num_nodes,
+            spot=spec.spot,
+            price_per_node_hour=0.0,
+            reasons=("local launcher: nodes are process sessions on this machine",),
+        )
 
     def launch(self, request: LaunchRequest) -> LaunchHandle:
         job, attempt = request.job_id, request.attempt

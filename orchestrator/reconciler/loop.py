@@ -587,19 +587,11 @@ class Reconciler:
         )
 
     def _placement(self, spec: JobSpec) -> Placement:
-        if self.launcher.name == "local":
-            return Placement(
-                cloud="local",
-                region="local",
-                instance_type="cpu-process",
-                accelerator=None,
-                accelerator_count=0,
-                num_nodes=spec.num_nodes,
-                spot=spec.spot,
-                price_per_node_hour=0.0,
-                reasons=("local launcher: nodes are process sessions on this machine",),
-            )
-        raise LaunchError(f"no placement planner wired for launcher {self.launcher.name!r}")
+        placement_for = getattr(self.launcher, "placement_for", None)
+        if placement_for is None:
+            raise LaunchError(f"launcher {self.launcher.name!r} cannot place jobs yet")
+        placement: Placement = placement_for(spec)
+        return placement
 
     def _launch(self, s: Session, ctx: _Ctx, number: int, inc: int | None, now: datetime) -> None:
         job, spec = ctx.job, ctx.spec

@@ -1,0 +1,266 @@
+"""The restart protocol against a real database (SQLite and PostgreSQL) and a real
+file:// checkpoint store, with a fake launcher and agents played through the same
+store functions the agent routes call."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from orchestrator.contract import (
+    COMMIT_NAME,
+    MANIFEST_NAME,
+    Env,
+    Manifest,
+    ManifestFile,
+    commit_marker,
+)
+from orchestrator.domain.plan import Placement
+from orchestrator.domain.protocol import ProtocolStep
+from orchestrator.domain.spec import validate_job_spec
+from orchestrator.launchers.base import ClusterState, ClusterStatus, LaunchHandle, LaunchRequest
+from orchestrator.reconciler.loop import Reconciler, incidents
+from orchestrator.store import agents, db, repo
+from orchestrator.store.models import Attempt, NodeCommand
+
+T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+
+
+@dataclass
+class FakeLauncher:
+    root: Path
+    name: str = "fake"
+    launched: list[LaunchRequest] = field(default_factory=list)
+    downed: list[str] = field(default_factory=list)
+    dead: set[str] = field(default_factory=set)
+
+    def placement_for(self, spec):  # type: ignore[no-untyped-def]
+        return Placement("fake", "r1", "cpu", None, 0, spec.num_nodes, spec.spot)
+
+    def node_disk(self, job_id: str, attempt: int, index: int) -> Path:
+        d = self.root / f"{job_id}-a{attempt}-n{index}"
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def launch(self, request: LaunchRequest) -> LaunchHandle:
+        self.launched.append(request)
+        ids = tuple(f"{request.job_id}-a{request.attempt}-n{k}" for k in range(2))
+        return LaunchHandle(f"{request.job_id}-a{request.attempt}", self.name, ids)
+
+    def status(self, handle: LaunchHandle) -> ClusterStatus:
+        up = tuple(n for n in handle.node_ids if n not in self.dead)
+        return ClusterStatus(ClusterState.UP if len(up) == 2 else ClusterState.PARTIAL, up)
+
+    def down(self, handle: LaunchHandle) -> None:
+        self.downed.append(handle.cluster_name)
+
+
+def write_checkpoint(root: Path, step: int, world: int = 4) -> Path:
+    d = root / f"step_{step}"
+    d.mkdir(parents=True)
+    files = []
+    for r in range(world):
+        data = os.urandom(4096)
+        (d / f"__{r}_0.distcp").write_bytes(data)
+        files.append(ManifestFile(f"__{r}_0.distcp", len(data), hashlib.sha256(data).hexdigest()))
+    (d / ".metadata").write_bytes(b"meta")
+    files.append(ManifestFile(".metadata", 4, hashlib.sha256(b"meta").hexdigest()))
+    m = Manifest(step, world, T0.isoformat(), tuple(files)).to_json()
+    (d / MANIFEST_NAME).write_bytes(m)
+    (d / COMMIT_NAME).write_bytes(commit_marker(m))
+    return d
+
+
+class World:
+    """A job, a reconciler and a clock; agents are played by hand."""
+
+    def __init__(self, url: str, tmp: Path) -> None:
+        self.engine = db.make_engine(url)
+        self.sm = db.make_sessionmaker(self.engine)
+        self.ckpt = tmp / "ckpt"
+        self.ckpt.mkdir()
+        self.launcher = FakeLauncher(tmp / "disks")
+        self.now = T0
+        spec = validate_job_spec(
+            {
+                "name": "t",
+                "task": {"template": "gpt-cpu", "command": "python train.py"},
+                "num_nodes": 2,
+                "ranks_per_node": 2,
+                "checkpoint": {"uri": f"file://{self.ckpt}", "every_steps": 10},
+                "restarts": {"max_restarts": 3, "heartbeat_timeout_s": 30, "grace_period_s": 60},
+            }
+        )
+        with self.sm.begin() as s:
+            self.job = repo.create_job(s, spec, now=self.now).id
+        self.rec = self.reconciler()
+
+    def reconciler(self) -> Reconciler:
+        return Reconciler(self.sm, self.launcher, "http://svc")
+
+    def tick(self, seconds: float = 1.0):  # type: ignore[no-untyped-def]
+        self.now += timedelta(seconds=seconds)
+        return self.rec.reconcile(self.job, now=self.now)
+
+    def status(self) -> str:
+        with self.sm() as s:
+            return repo.get_job(s, self.job).status
+
+    def agents_up(self, attempt: int, *, resumed: int, step: int) -> None:
+        with self.sm.begin() as s:
+            for k in range(2):
+                nid = f"{self.job}-a{attempt}-n{k}"
+                agents.register_node(s, self.job, attempt, nid, node_rank=k, now=self.now)
+                ranks = [
+                    {"rank": 2 * k + i, "step": step, "resumed_step": resumed, "report_age_s": 0.1}
+                    for i in range(2)
+                ]
+                body = {"state": "running", "ranks": ranks}
+                agents.record_heartbeat(s, self.job, attempt, nid, body, now=self.now)
+
+    def report(self, attempt: int, node: int, body: dict) -> None:
+        with self.sm.begin() as s:
+            nid = f"{self.job}-a{attempt}-n{node}"
+            agents.record_report(s, self.job, attempt, nid, body, now=self.now)
+
+    def commands(self) -> list[NodeCommand]:
+        with self.sm() as s:
+            return list(s.query(NodeCommand).filter_by(job_id=self.job).order_by(NodeCommand.id))
+
+    def run_until(self, status: str, limit: int = 30) -> None:
+        """Tick (5 s apart: long enough for a grace period to run out) until ``status``."""
+        for _ in range(limit):
+            self.tick(5.0)
+            if self.status() == status:
+                return
+        raise AssertionError(f"job stayed {self.status()}, wanted {status}")
+
+
+@pytest.fixture
+def world(db_url: str, tmp_path: Path):  # type: ignore[no-untyped-def]
+    w = World(db_url, tmp_path)
+    yield w
+    w.engine.dispose()
+
+
+def start_running(w: World) -> None:
+    w.tick()
+    assert w.status() == "PROVISIONING"
+    assert w.launcher.launched[0].env[Env.RESUME_FROM] == "latest"
+    w.agents_up(1, resumed=0, step=0)
+    w.tick()
+    assert w.status() == "RUNNING"
+
+
+def test_a_preemption_runs_all_seven_steps_and_resumes_on_every_rank_at_the_saved_step(world):
+    w = world
+    start_running(w)
+    w.agents_up(1, resumed=0, step=40)
+    w.report(1, 1, {"key": "n1", "kind": "preemption_notice", "provider": "aws"})
+    w.tick()
+    assert w.status() == "RECOVERING"
+    w.tick()
+    (cmd,) = w.commands()
+    assert (cmd.type, cmd.attempt, cmd.node_id) == ("checkpoint_and_stop", 1, None)
+    assert cmd.args["grace_s"] == 60.0
+    # Every rank saved step 40 and exited 75; the agents say so.
+    write_checkpoint(w.ckpt, 30)
+    write_checkpoint(w.ckpt, 40)
+    for k in range(2):
+        w.report(1, k, {"key": "x", "kind": "node_exit", "exit_code": 75, "reason": "saved"})
+    w.run_until("PROVISIONING")
+    req = w.launcher.launched[1]
+    assert req.attempt == 2
+    assert req.env[Env.RESUME_FROM] == "{node_disk}/staged/step_40"
+    assert req.env[Env.EXPECTED_STEP] == "40"
+    assert w.launcher.downed == [f"{w.job}-a1"]  # released only after the confirm step
+    for k in range(2):
+        staged = w.launcher.node_disk(w.job, 2, k) / "staged" / "step_40" / COMMIT_NAME
+        assert staged.exists()
+    w.agents_up(2, resumed=40, step=40)
+    w.tick()
+    assert w.status() == "RUNNING"
+    with w.sm() as s:
+        (inc,) = incidents(s, w.job)
+    assert inc["failure_class"] == "preemption_notice"
+    assert [st["step"] for st in inc["steps"]] == [p.value for p in ProtocolStep]
+    assert all(st["outcome"] in ("ok", "skipped") for st in inc["steps"])
+    assert (inc["last_step"], inc["resumed_step"], inc["steps_lost"]) == (40, 40, 0)
+    assert inc["mttr_s"] is not None and inc["mttr_s"] > 0
+
+
+def test_a_lost_node_stops_the_survivors_and_resumes_from_the_last_periodic_checkpoint(world):
+    w = world
+    start_running(w)
+    write_checkpoint(w.ckpt, 20)
+    w.agents_up(1, resumed=0, step=27)
+    w.launcher.dead.add(f"{w.job}-a1-n1")
+    w.tick()  # the launcher sees the node gone: recorded
+    w.tick()  # the incident opens
+    assert w.status() == "RECOVERING"
+    w.tick()
+    assert [c.type for c in w.commands()] == ["stop"]
+    w.report(1, 0, {"key": "x", "kind": "node_exit", "exit_code": 1, "reason": "stopped"})
+    w.run_until("PROVISIONING")
+    assert w.launcher.launched[1].env[Env.EXPECTED_STEP] == "20"
+    w.agents_up(2, resumed=20, step=20)
+    w.tick()
+    with w.sm() as s:
+        (inc,) = incidents(s, w.job)
+    assert inc["failure_class"] == "node_lost" and inc["steps_lost"] == 7
+
+
+def test_a_tampered_checkpoint_fails_the_job_with_the_reason_and_launches_nothing(world):
+    w = world
+    start_running(w)
+    write_checkpoint(w.ckpt, 10)
+    shard = write_checkpoint(w.ckpt, 20) / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF  # same size, different bytes
+    shard.write_bytes(bytes(data))
+    w.launcher.dead.add(f"{w.job}-a1-n0")
+    w.run_until("FAILED")
+    with w.sm() as s:
+        job = repo.get_job(s, w.job)
+    assert "step_20 failed verification" in job.status_reason
+    assert "__1_0.distcp" in job.status_reason
+    assert len(w.launcher.launched) == 1
+
+
+def test_a_service_restart_mid_protocol_carries_on_where_it_was(world):
+    w = world
+    start_running(w)
+    write_checkpoint(w.ckpt, 10)
+    w.launcher.dead.add(f"{w.job}-a1-n1")
+    for _ in range(4):
+        w.tick()
+    w.rec = w.reconciler()  # a new process: nothing in memory
+    w.report(1, 0, {"key": "x", "kind": "node_exit", "exit_code": 1, "reason": "stopped"})
+    w.run_until("PROVISIONING")
+    assert [r.attempt for r in w.launcher.launched] == [1, 2]
+    assert [c.type for c in w.commands()] == ["stop"]  # the command was not sent twice
+
+
+def test_the_restart_limit_ends_the_job_failed_with_the_reason(world):
+    w = world
+    start_running(w)
+    with w.sm.begin() as s:
+        repo.get_job(s, w.job).restart_count = 3
+    w.launcher.dead.add(f"{w.job}-a1-n1")
+    w.run_until("FAILED")
+    with w.sm() as s:
+        assert "restart limit reached (3 restarts)" in repo.get_job(s, w.job).status_reason
+        assert s.query(Attempt).filter_by(job_id=w.job).count() == 1
+
+
+def test_only_one_reconciler_holds_the_lease(world):
+    w = world
+    other = w.reconciler()
+    assert w.rec.acquire_lease(T0)
+    assert not other.acquire_lease(T0 + timedelta(seconds=5))
+    assert other.acquire_lease(T0 + timedelta(seconds=11))  # the first one went silent
