@@ -31,10 +31,11 @@ app.add_typer(db_app, name="db")
 
 def _register_command_modules() -> None:
     # Each area keeps its commands in orchestrator/commands/<area>.py (light imports).
-    from orchestrator.commands import cloud, failures, recovery
+    from orchestrator.commands import cloud, failures, goodput, recovery
 
     cloud.register(app)
     failures.register(app)
+    goodput.register(app)
     recovery.register(app)
 
 

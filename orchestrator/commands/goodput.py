@@ -1,0 +1,124 @@
+"""CLI: ``skyresume goodput JOB [-o json]``, a client of ``GET /v1/jobs/{id}/goodput``.
+
+The table view answers "where did the time and money go": the split of wall time
+(Meta's effective training time), then one row per incident with its MTTR broken
+down by restart-protocol step, the steps redone and what it cost.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any
+
+import typer
+
+
+class Output(StrEnum):
+    table = "table"
+    json = "json"
+
+
+#: Column headers for the seven protocol steps (orchestrator.domain.protocol order).
+_STEP_HEADERS = (
+    ("detect", "DETECT"),
+    ("signal", "SIGNAL"),
+    ("confirm_checkpoint", "CONFIRM"),
+    ("select_replacement", "SELECT"),
+    ("stage", "STAGE"),
+    ("launch", "LAUNCH"),
+    ("validate", "VALIDATE"),
+)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f}m"
+    return f"{seconds / 3600:.2f}h"
+
+
+def _usd(x: float | None) -> str:
+    return "unpriced" if x is None else f"${x:,.2f}"
+
+
+def _share(part: float, whole: float) -> str:
+    return f"{part / whole:.1%}" if whole else "-"
+
+
+def goodput(
+    job_id: Annotated[str, typer.Argument(help="job id")],
+    output: Annotated[Output, typer.Option("--output", "-o", help="table or json")] = Output.table,
+) -> None:
+    """Effective training time of a job, and each incident's MTTR, steps lost and cost."""
+    from rich.table import Table
+
+    from orchestrator.cli import Client, _print_json, console
+
+    doc: dict[str, Any] = Client().request("GET", f"/v1/jobs/{job_id}/goodput")
+    if output is Output.json:
+        _print_json(doc)
+        return
+
+    wall = doc["wall_seconds"]
+    state = "so far" if doc["live"] else "final"
+    console.print(
+        f"{doc['job_id']} ({doc['name']}) {doc['status']}, {doc['restart_count']} restarts: "
+        f"effective training time {doc['effective_training_fraction']:.1%} ({state})",
+        markup=False,
+        highlight=False,
+    )
+    split = Table("TIME", "SECONDS", "SHARE", title="where the wall time went")
+    for label, key in (
+        ("productive", "productive_seconds"),
+        ("failure (restart protocol)", "failure_seconds"),
+        ("lost work (steps redone)", "lost_work_seconds"),
+        ("checkpoint blocking", "checkpoint_seconds"),
+        ("idle (queued, no attempt)", "idle_seconds"),
+        ("wall", "wall_seconds"),
+    ):
+        split.add_row(label, _duration(doc[key]), _share(doc[key], wall))
+    console.print(split)
+    step = doc["step_seconds"]
+    console.print(
+        f"step time {_duration(step)}; cost {_usd(doc['total_usd'])}, "
+        f"of which lost {_usd(doc['lost_usd'])}",
+        markup=False,
+        highlight=False,
+    )
+    if not doc["incidents"]:
+        console.print("no incidents")
+        return
+    t = Table(
+        "ID",
+        "AT",
+        "CLASS",
+        "WHERE",
+        "MTTR",
+        *(h for _, h in _STEP_HEADERS),
+        "STEPS LOST",
+        "LOST WORK",
+        "COST",
+        title="incidents (MTTR by protocol step)",
+    )
+    for i in doc["incidents"]:
+        where = "/".join(x for x in (i["cloud"], i["region"], i["instance_type"]) if x)
+        mttr = _duration(i["mttr_seconds"]) + (" (ongoing)" if i["ongoing"] else "")
+        t.add_row(
+            str(i["id"]),
+            i["occurred_at"][:19].replace("T", " "),
+            i["failure_class"],
+            where or "-",
+            mttr,
+            *(_duration(i["step_seconds"].get(key)) for key, _ in _STEP_HEADERS),
+            "?" if i["steps_lost"] is None else str(i["steps_lost"]),
+            _duration(i["lost_work_seconds"]),
+            _usd(i["usd"]),
+        )
+    console.print(t)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("goodput")(goodput)
