@@ -46,7 +46,7 @@ def job_spec(home: Path, steps: int) -> dict[str, Any]:
     }
 
 
-class _Service:
+class DemoService:
     def __init__(self, home: Path) -> None:
         from orchestrator.launchers.local import free_port
 
@@ -95,24 +95,24 @@ class _Service:
         self.log.close()
 
 
-def _get(http: Any, path: str) -> Any:
+def api_get(http: Any, path: str) -> Any:
     r = http.get(path)
     if r.status_code >= 400:
         raise DemoError(f"GET {path}: HTTP {r.status_code}: {r.text[:300]}")
     return r.json()
 
 
-def _post(http: Any, path: str, body: dict[str, Any]) -> Any:
+def api_post(http: Any, path: str, body: dict[str, Any]) -> Any:
     r = http.post(path, json=body)
     if r.status_code >= 400:
         raise DemoError(f"POST {path}: HTTP {r.status_code}: {r.text[:300]}")
     return r.json()
 
 
-def _state(http: Any, job: str) -> tuple[str, int, int | None, int]:
+def job_state(http: Any, job: str) -> tuple[str, int, int | None, int]:
     """(status, newest attempt, its validated step, its highest rank step)."""
-    st = _get(http, f"/v1/jobs/{job}")["status"]
-    atts = _get(http, f"/v1/jobs/{job}/attempts")["items"]
+    st = api_get(http, f"/v1/jobs/{job}")["status"]
+    atts = api_get(http, f"/v1/jobs/{job}/attempts")["items"]
     if not atts:
         return st, 0, None, -1
     a = atts[-1]
@@ -120,10 +120,10 @@ def _state(http: Any, job: str) -> tuple[str, int, int | None, int]:
     return st, a["number"], a["validated_step"], max(steps, default=-1)
 
 
-def _wait(http: Any, job: str, what: str, until: Any, deadline: float) -> tuple[Any, ...]:
+def wait_for(http: Any, job: str, what: str, until: Any, deadline: float) -> tuple[Any, ...]:
     shown = None
     while time.monotonic() < deadline:
-        s = _state(http, job)
+        s = job_state(http, job)
         if s != shown:
             status, n, validated, step = s
             console.print(
@@ -145,25 +145,25 @@ def run_demo(home: Path | None = None, steps: int = 120, timeout_s: float = 900.
     home.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + timeout_s
     console.print(f"[bold]skyresume demo[/bold]: state in {home}")
-    svc = _Service(home)
+    svc = DemoService(home)
     job = None
     http = None
     try:
         http = svc.wait_ready()
         console.print(f"service up at {svc.url} (SQLite, local launcher, reconciler on)")
-        job = _post(http, "/v1/jobs", job_spec(home, steps))["id"]
+        job = api_post(http, "/v1/jobs", job_spec(home, steps))["id"]
         console.print(f"submitted job {job}: 2 nodes x 2 CPU ranks (gloo), {steps} steps")
 
         console.print("[bold]1.[/bold] waiting for training to pass step 30")
-        s = _wait(
+        s = wait_for(
             http, job, "step 30", lambda st, n, v, step: v is not None and step >= 30, deadline
         )
         if s[0] != "RUNNING":
             raise DemoError(f"job is {s[0]} before the first failure")
         console.print("[bold]2.[/bold] spot preemption notice (AWS format) on node 1")
-        _post(http, f"/v1/jobs/{job}/chaos", {"action": "preempt", "node": 1})
+        api_post(http, f"/v1/jobs/{job}/chaos", {"action": "preempt", "node": 1})
         first = s[1]
-        s = _wait(
+        s = wait_for(
             http,
             job,
             "recovery from the preemption",
@@ -173,9 +173,9 @@ def run_demo(home: Path | None = None, steps: int = 120, timeout_s: float = 900.
         if s[0] != "RUNNING":
             raise DemoError(f"job is {s[0]} after the preemption")
         console.print("[bold]3.[/bold] node 0 killed without notice (every process, SIGKILL)")
-        _post(http, f"/v1/jobs/{job}/chaos", {"action": "kill-node", "node": 0})
+        api_post(http, f"/v1/jobs/{job}/chaos", {"action": "kill-node", "node": 0})
         second = s[1]
-        s = _wait(
+        s = wait_for(
             http,
             job,
             "recovery from the node loss",
@@ -183,27 +183,27 @@ def run_demo(home: Path | None = None, steps: int = 120, timeout_s: float = 900.
             deadline,
         )
         console.print("[bold]4.[/bold] training on to the end")
-        s = _wait(http, job, "the end", lambda st, n, v, step: st == "SUCCEEDED", deadline)
+        s = wait_for(http, job, "the end", lambda st, n, v, step: st == "SUCCEEDED", deadline)
         return _report(http, job, svc, home, incident_table)
     except DemoError as e:
         console.print(f"[red]demo failed:[/red] {e}")
         if http is not None and job is not None:
             with contextlib.suppress(Exception):
-                console.print(incident_table(_get(http, f"/v1/jobs/{job}/incidents")["items"]))
+                console.print(incident_table(api_get(http, f"/v1/jobs/{job}/incidents")["items"]))
         console.print(f"logs: {home / 'service.log'}, {home / 'local-nodes'}")
         return 1
     finally:
         if http is not None and job is not None:
             with contextlib.suppress(Exception):
-                if _get(http, f"/v1/jobs/{job}")["status"] not in ("SUCCEEDED", "FAILED"):
+                if api_get(http, f"/v1/jobs/{job}")["status"] not in ("SUCCEEDED", "FAILED"):
                     http.post(f"/v1/jobs/{job}/cancel")
                     time.sleep(3)  # the reconciler tears the nodes down
         svc.stop()
 
 
-def _report(http: Any, job: str, svc: _Service, home: Path, incident_table: Any) -> int:
-    j = _get(http, f"/v1/jobs/{job}")
-    incs = _get(http, f"/v1/jobs/{job}/incidents")["items"]
+def _report(http: Any, job: str, svc: DemoService, home: Path, incident_table: Any) -> int:
+    j = api_get(http, f"/v1/jobs/{job}")
+    incs = api_get(http, f"/v1/jobs/{job}/incidents")["items"]
     console.print(incident_table(incs))
     problems = []
     if j["status"] != "SUCCEEDED":

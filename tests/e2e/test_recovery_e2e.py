@@ -1,0 +1,134 @@
+"""The recovery loop end to end: `skyresume serve` with the reconciler and the local
+launcher, real agents, torchrun and CPU ranks on gloo, real failures injected.
+
+Each test is a real multi-node run on this machine's cores, so they take minutes
+together; they are marked ``e2e``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.demo import DemoService, api_get, api_post, job_spec, run_demo, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def uninterrupted(tmp: Path, steps: int) -> Path:
+    """The same training, 4 ranks on one torchrun, no skyresume and no failure."""
+    out = tmp / "uninterrupted.pt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SKYRESUME_")}
+    env["OMP_NUM_THREADS"] = "1"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            "-m",
+            "training.examples.train_gpt",
+            "--max-steps",
+            str(steps),
+            "--save-final",
+            str(out),
+        ],
+        env=env,
+        cwd=REPO,
+        check=True,
+        timeout=600,
+        capture_output=True,
+    )
+    return out
+
+
+def test_demo_recovers_from_a_preemption_and_a_node_kill_to_bitwise_identical_weights(tmp_path):
+    """The README's main command: a notice loses zero steps, a kill resumes from the
+    last periodic checkpoint, and the final weights equal an uninterrupted run's."""
+    import torch
+
+    home = tmp_path / "demo"
+    assert run_demo(home=home, steps=120, timeout_s=800) == 0
+    got = torch.load(home / "final_weights.pt", weights_only=True)
+    want = torch.load(uninterrupted(tmp_path, 120), weights_only=True)
+    assert got["step"] == want["step"] == 120
+    assert got["model"].keys() == want["model"].keys()
+    for k, v in want["model"].items():
+        assert torch.equal(got["model"][k], v), f"parameter {k} differs"
+
+
+@pytest.fixture
+def service(tmp_path):  # type: ignore[no-untyped-def]
+    svc = DemoService(tmp_path)
+    http = svc.wait_ready()
+    yield http
+    svc.stop()
+
+
+def _submit(http, home: Path, steps: int, **restarts) -> str:  # type: ignore[no-untyped-def]
+    spec = job_spec(home, steps)
+    spec["restarts"].update(restarts)
+    return api_post(http, "/v1/jobs", spec)["id"]
+
+
+def test_a_hung_rank_is_caught_by_the_heartbeat_timeout_and_the_job_recovers(service, tmp_path):
+    http = service
+    job = _submit(http, tmp_path, 400, heartbeat_timeout_s=8)
+    end = time.monotonic() + 600
+    s = wait_for(http, job, "step 20", lambda st, n, v, step: v is not None and step >= 20, end)
+    assert s[0] == "RUNNING"
+    api_post(http, f"/v1/jobs/{job}/chaos", {"action": "hang-rank", "node": 1, "rank": 3})
+    s = wait_for(http, job, "a validated attempt 2", lambda st, n, v, step: n >= 2 and v, end)
+    (inc,) = api_get(http, f"/v1/jobs/{job}/incidents")["items"][:1]
+    assert inc["failure_class"] == "nccl_timeout"
+    assert "rank 3" in inc["message"] and "no progress" in inc["message"]
+    http.post(f"/v1/jobs/{job}/cancel")
+
+
+def test_a_tampered_checkpoint_stops_the_job_with_the_reason_and_nothing_trains_on_it(
+    service, tmp_path
+):
+    http = service
+    spec = job_spec(tmp_path, 400)
+    spec["checkpoint"]["every_steps"] = 20  # ~2 s apart: time to tamper before the next
+    job = api_post(http, "/v1/jobs", spec)["id"]
+    end = time.monotonic() + 600
+    wait_for(http, job, "step 25", lambda st, n, v, step: v is not None and step >= 25, end)
+    newest = _next_commit(tmp_path / "checkpoints", end)
+    shard = next(newest.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, different bytes
+    shard.write_bytes(bytes(data))
+    api_post(http, f"/v1/jobs/{job}/chaos", {"action": "kill-node", "node": 1})
+    s = wait_for(http, job, "the job to fail", lambda st, n, v, step: st == "FAILED", end)
+    j = api_get(http, f"/v1/jobs/{job}")
+    assert j["status"] == "FAILED"
+    assert f"{newest.name} failed verification" in j["status_reason"]
+    assert shard.name in j["status_reason"]
+    attempts = api_get(http, f"/v1/jobs/{job}/attempts")["items"]
+    assert len(attempts) == 1, "no attempt may be launched on a corrupt checkpoint"
+    assert s[1] == 1
+
+
+def _newest_step(root: Path) -> int:
+    return max((int(p.parent.name[5:]) for p in root.glob("step_*/COMMIT")), default=-1)
+
+
+def _next_commit(root: Path, deadline: float) -> Path:
+    """The step directory of the next checkpoint to be committed, as soon as it is."""
+    before = _newest_step(root)
+    while time.monotonic() < deadline:
+        now = _newest_step(root)
+        if now > before:
+            return root / f"step_{now}"
+        time.sleep(0.05)
+    raise AssertionError("no new checkpoint was committed")
