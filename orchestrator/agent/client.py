@@ -1,0 +1,129 @@
+"""The agent's HTTP client for the service (stdlib ``urllib``, JSON in and out).
+
+Three outcomes, kept apart because the agent acts differently on each:
+
+* an answer (any HTTP status): :class:`Answer`, the caller reads ``status``;
+* the attempt is no longer current: HTTP 409 raises :class:`Superseded` — the agent
+  stops its ranks and exits, whatever it was doing;
+* the service cannot be reached (refused, timeout, 5xx): :class:`Unreachable` — the
+  agent keeps training and retries with :func:`backoff_delays`, because a service
+  restart must never cost a training step.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+
+class Unreachable(Exception):
+    """No usable answer: connection refused or reset, timeout, or a 5xx."""
+
+
+class Superseded(Exception):
+    """HTTP 409: the service moved on from this attempt."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    body: Any
+
+
+def backoff_delays(
+    base: float = 0.2, cap: float = 5.0, factor: float = 2.0, jitter: float = 0.2
+) -> Iterator[float]:
+    """Exponential delays with +-``jitter`` spread, capped; endless.
+
+    Jitter keeps 64 agents that lost the same service from retrying in lockstep
+    when it comes back.
+    """
+    delay = base
+    while True:
+        yield min(cap, delay) * (1 + random.uniform(-jitter, jitter))
+        delay = min(cap, delay * factor)
+
+
+def _is_loopback(url: str) -> bool:
+    host = urllib.parse.urlsplit(url).hostname or ""
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+class ServiceClient:
+    def __init__(self, base_url: str, token: str, *, job_id: str, attempt: int, node_id: str):
+        self.base_url = base_url.rstrip("/")
+        self._token = token
+        q = urllib.parse.quote
+        self.prefix = (
+            f"{self.base_url}/v1/jobs/{q(job_id, safe='')}/attempts/{attempt}"
+            f"/nodes/{q(node_id, safe='')}"
+        )
+        # A proxy from the environment must not sit between an agent and a service
+        # on loopback (the local launcher); a remote service may need one.
+        handlers = [urllib.request.ProxyHandler({})] if _is_loopback(base_url) else []
+        self._opener = urllib.request.build_opener(*handlers)
+
+    def request(self, method: str, path: str, body: Any = None, *, timeout: float = 10.0) -> Answer:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            self.prefix + path,
+            data=data,
+            method=method,
+            headers={
+                "Authorization": f"Bearer {self._token}",
+                "Content-Type": "application/json",
+                "Accept": "application/json",
+            },
+        )
+        try:
+            with self._opener.open(req, timeout=timeout) as r:
+                return Answer(r.status, _parse(r.read()))
+        except urllib.error.HTTPError as e:
+            try:
+                raw = e.read()
+            except Exception:
+                raw = b""
+            if e.code == 409:
+                raise Superseded(_detail(raw) or "attempt superseded") from None
+            if e.code >= 500:
+                raise Unreachable(f"{method} {path}: HTTP {e.code} {_detail(raw)}") from None
+            return Answer(e.code, _parse(raw))
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            reason = getattr(e, "reason", None) or e
+            raise Unreachable(f"{method} {path}: {reason}") from None
+        except Exception as e:  # http.client.RemoteDisconnected, IncompleteRead, ...
+            raise Unreachable(f"{method} {path}: {type(e).__name__}: {e}") from None
+
+    def register(self, body: dict[str, Any]) -> Answer:
+        return self.request("POST", "/register", body)
+
+    def heartbeat(self, body: dict[str, Any]) -> Answer:
+        return self.request("POST", "/heartbeat", body)
+
+    def commands(self, after: int, wait: float) -> Answer:
+        return self.request("GET", f"/commands?after={after}&wait={wait:g}", timeout=wait + 10.0)
+
+    def report(self, body: dict[str, Any]) -> Answer:
+        return self.request("POST", "/reports", body)
+
+
+def _parse(raw: bytes) -> Any:
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return raw[:200].decode("utf-8", "replace")
+
+
+def _detail(raw: bytes) -> str:
+    doc = _parse(raw)
+    if isinstance(doc, dict) and "detail" in doc:
+        return str(doc["detail"])
+    return str(doc or "")

@@ -1,0 +1,898 @@
+"""``skyresume-agent``: the node agent. One per node per attempt; protocol in docs/agent.md.
+
+Stdlib only (plus the stdlib-only ``orchestrator.contract`` and
+``orchestrator.cloud.metadata``), so it starts fast and the user's environment cannot
+break it.
+
+Threads, each of which only *asks* for a stop (``begin_stop`` is the one place that
+signals ranks, under a lock, and is idempotent):
+
+* ``metadata``: polls the cloud's notice endpoint from boot; on a notice it SIGTERMs
+  every local rank at once *before* any HTTP, then reports ``preemption_notice``;
+* ``heartbeat``: registers, then one heartbeat per ``--heartbeat-s`` for the node;
+* ``commands``: long-polls the service for commands;
+* ``reports``: sends queued reports in order, retrying while the service is away;
+* ``progress-udp``: aggregates the ranks' datagrams;
+* the main thread supervises: discovers rank pids, watches them exit (50 ms), enforces
+  the grace deadline with SIGKILL, and at the end reports and picks the exit code.
+
+A 409 from the service on anything means the attempt was superseded: stop the ranks
+(5 s grace) and exit. An unreachable service is retried with backoff while training
+goes on: a service restart must not cost a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from orchestrator.agent import ranks as rk
+from orchestrator.agent.client import (
+    Answer,
+    ServiceClient,
+    Superseded,
+    Unreachable,
+    backoff_delays,
+)
+from orchestrator.agent.progress import ProgressBoard, ProgressListener
+from orchestrator.contract import Env, ExitCode
+
+log = logging.getLogger("skyresume.agent")
+
+TOKEN_ENV = "SKYRESUME_AGENT_TOKEN"
+#: Grace for ``stop`` commands and for a superseded attempt (docs/agent.md).
+STOP_GRACE_S = 5.0
+#: How long the long-poll for commands waits per request.
+COMMAND_WAIT_S = 25.0
+#: Notice kinds that warn without ending the VM: logged, not acted on.
+ADVISORY_NOTICES = frozenset({"rebalance"})
+#: How long the agent tries to deliver its last reports before it exits anyway.
+FINAL_FLUSH_S = 30.0
+#: Rank watcher period.
+WATCH_S = 0.05
+
+EXIT_OK = 0
+EXIT_SAVED = int(ExitCode.PREEMPTED_SAVED)
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+class UsageError(ValueError):
+    """A bad flag; the message names it."""
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    job_id: str
+    attempt: int
+    node_id: str
+    node_rank: int
+    nnodes: int
+    nproc_per_node: int
+    command: tuple[str, ...]
+    service_url: str | None = None
+    """None: no service (local-only; used by the fan-out benchmark's bare runs)."""
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    provider: str = "none"
+    metadata_url: str | None = None
+    local_dir: Path = Path(".")
+    log_dir: Path = Path(".")
+    grace_s: float = 90.0
+    heartbeat_s: float = 1.0
+    poll_s: float = 1.0
+    launcher: str = "torchrun"
+    final_flush_s: float = FINAL_FLUSH_S
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def control_file(self) -> Path:
+        return self.local_dir / "control.json"
+
+
+def _positive(name: str, value: float) -> float:
+    if not (value > 0 and math.isfinite(value)):
+        raise UsageError(f"{name} must be a positive number, got {value!r}")
+    return value
+
+
+def parse_args(argv: list[str]) -> AgentConfig:
+    """Flags, then ``--``, then the command every rank runs."""
+    if "--" in argv:
+        i = argv.index("--")
+        flags, command = argv[:i], argv[i + 1 :]
+    else:
+        flags, command = argv, []
+    p = argparse.ArgumentParser(
+        prog="skyresume-agent",
+        description="skyresume node agent: runs one node's ranks and talks to the service.",
+        epilog="Everything after -- is the command each rank runs. "
+        f"The service token comes from ${TOKEN_ENV}, never argv.",
+    )
+    p.add_argument("--service-url", help="e.g. http://127.0.0.1:8470 (omit: no service)")
+    p.add_argument("--job-id", required=True)
+    p.add_argument("--attempt", type=int, required=True)
+    p.add_argument("--node-id", required=True)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--nproc-per-node", type=int, default=1)
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=int, default=29500)
+    p.add_argument("--provider", default="none", choices=["aws", "gcp", "azure", "auto", "none"])
+    p.add_argument(
+        "--metadata-url", help="base URL of the metadata endpoint (default: the real one)"
+    )
+    p.add_argument("--local-dir", required=True, help="the node's local disk directory")
+    p.add_argument("--log-dir", help="rank and agent logs (default: <local-dir>/logs)")
+    p.add_argument("--grace-s", type=float, default=90.0, help="SIGTERM -> SIGKILL grace")
+    p.add_argument("--heartbeat-s", type=float, default=1.0)
+    p.add_argument("--poll-s", type=float, default=1.0, help="metadata poll interval")
+    p.add_argument("--launcher", default="torchrun", choices=["torchrun", "direct"])
+    p.add_argument("--final-flush-s", type=float, default=FINAL_FLUSH_S)
+    a = p.parse_args(flags)
+    if not command:
+        raise UsageError("no command: put the rank command after --, e.g. -- python train.py")
+    if a.attempt < 0:
+        raise UsageError(f"--attempt must be >= 0, got {a.attempt}")
+    if a.nnodes < 1:
+        raise UsageError(f"--nnodes must be >= 1, got {a.nnodes}")
+    if a.nproc_per_node < 1:
+        raise UsageError(f"--nproc-per-node must be >= 1, got {a.nproc_per_node}")
+    if not 0 <= a.node_rank < a.nnodes:
+        raise UsageError(f"--node-rank must be in 0..{a.nnodes - 1}, got {a.node_rank}")
+    if not 1 <= a.master_port <= 65535:
+        raise UsageError(f"--master-port must be in 1..65535, got {a.master_port}")
+    for name in ("grace_s", "heartbeat_s", "poll_s", "final_flush_s"):
+        _positive("--" + name.replace("_", "-"), getattr(a, name))
+    if a.service_url is not None and not a.service_url.startswith(("http://", "https://")):
+        raise UsageError(
+            f"--service-url must start with http:// or https://, got {a.service_url!r}"
+        )
+    if a.metadata_url is not None and not a.metadata_url.startswith(("http://", "https://")):
+        raise UsageError(
+            f"--metadata-url must start with http:// or https://, got {a.metadata_url!r}"
+        )
+    local = Path(a.local_dir).resolve()
+    return AgentConfig(
+        job_id=a.job_id,
+        attempt=a.attempt,
+        node_id=a.node_id,
+        node_rank=a.node_rank,
+        nnodes=a.nnodes,
+        nproc_per_node=a.nproc_per_node,
+        command=tuple(command),
+        service_url=a.service_url,
+        master_addr=a.master_addr,
+        master_port=a.master_port,
+        provider=a.provider,
+        metadata_url=a.metadata_url,
+        local_dir=local,
+        log_dir=Path(a.log_dir).resolve() if a.log_dir else local / "logs",
+        grace_s=a.grace_s,
+        heartbeat_s=a.heartbeat_s,
+        poll_s=a.poll_s,
+        launcher=a.launcher,
+        final_flush_s=a.final_flush_s,
+    )
+
+
+def node_outcome(ranks: list[rk.Rank], stop_reason: str | None) -> tuple[int, str]:
+    """The agent's exit code and reason from how its ranks ended.
+
+    0: every rank exited 0. 75: every rank exited 0 or 75 and at least one 75 (they
+    saved after a stop, asked here or agreed with a peer node). 1: anything else.
+    """
+    if not ranks:
+        return EXIT_FAILED, f"no rank ever started ({stop_reason or 'launcher exited'})"
+    bad = [r for r in ranks if r.signal or r.exit_code not in (0, EXIT_SAVED)]
+    if not bad:
+        if all(r.exit_code == 0 for r in ranks):
+            return EXIT_OK, "all ranks exited 0"
+        return EXIT_SAVED, f"ranks saved and stopped ({stop_reason or 'a peer asked'})"
+    r = min(bad, key=lambda x: x.rank)
+    how = f"signal {r.signal}" if r.signal else f"exit code {r.exit_code}"
+    if r.exit_code is None and not r.signal:
+        how = "unknown status"
+    tail = f"; stop: {stop_reason}" if stop_reason else ""
+    return EXIT_FAILED, f"rank {r.rank} ended with {how}{tail}"
+
+
+#: Datagram anomaly kinds -> report findings (failure classes).
+ANOMALY_FINDINGS = {
+    "nan": "nan_divergence",
+    "spike": "nan_divergence",
+    "straggler": "slow_peer",
+    "silent_corruption": "silent_corruption",
+}
+
+
+def write_control_file(path: Path, updates: dict[str, Any]) -> None:
+    """Merge ``updates`` into the JSON control file atomically (temp + rename), so a
+    rank re-reading it never sees half a file."""
+    doc: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        old = json.loads(path.read_text())
+        if isinstance(old, dict):
+            doc = old
+    doc.update(updates)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, path)
+
+
+@dataclass
+class _Outbox:
+    """Reports, sent in order by one thread, each retried until the service takes it."""
+
+    q: queue.Queue[dict[str, Any] | None] = field(default_factory=queue.Queue)
+    pending: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    drained: threading.Condition = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.drained = threading.Condition(self.lock)
+
+    def put(self, doc: dict[str, Any]) -> None:
+        with self.lock:
+            self.pending += 1
+        self.q.put(doc)
+
+    def done_one(self) -> None:
+        with self.lock:
+            self.pending -= 1
+            self.drained.notify_all()
+
+    def wait_drained(self, timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        with self.lock:
+            while self.pending > 0:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self.drained.wait(left)
+        return True
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig, *, token: str | None, environ: dict[str, str]) -> None:
+        self.cfg = cfg
+        self.environ = environ
+        self.token = token
+        self.client = (
+            ServiceClient(
+                cfg.service_url,
+                token or "",
+                job_id=cfg.job_id,
+                attempt=cfg.attempt,
+                node_id=cfg.node_id,
+            )
+            if cfg.service_url
+            else None
+        )
+        self.board = ProgressBoard(on_event=self._on_datagram)
+        self.listener = ProgressListener(self.board)
+        self.ranks: list[rk.Rank] = []
+        self.torchrun: Any = None  # subprocess.Popen
+        self.state = "starting"
+        self._lock = threading.RLock()
+        self._stop_deadline: float | None = None
+        self._stop_reason: str | None = None
+        self._killed = False
+        self._sigtermed: set[int] = set()
+        self._torchrun_sigtermed = False
+        self._exit = threading.Event()
+        self._registered = threading.Event()
+        self._signal_received: int | None = None
+        self.cursor = 0
+        self.acked: int | None = None
+        self.outbox = _Outbox()
+        self.superseded: str | None = None
+        self.notice_at: float | None = None
+
+    # --- stopping: the one place that signals ranks --------------------------------
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop_deadline is not None
+
+    def begin_stop(self, reason: str, grace_s: float) -> None:
+        """SIGTERM every local rank at once and set the SIGKILL deadline. Calling it
+        again only ever brings the deadline closer."""
+        with self._lock:
+            deadline = time.monotonic() + max(0.0, grace_s)
+            first = self._stop_deadline is None
+            if not first and deadline >= self._stop_deadline:  # type: ignore[operator]
+                return
+            self._stop_deadline = deadline
+            if first:
+                self._stop_reason = reason
+                self.state = "stopping"
+                self._sigterm_ranks()
+        log.warning("stopping (%s): SIGKILL in %.1f s", reason, grace_s)
+
+    def _sigterm_ranks(self) -> None:
+        live = [r for r in self.ranks if not r.exited and r.pid not in self._sigtermed]
+        for r in live:  # no I/O between the signals: fan-out is one loop of kill(2)
+            rk.signal_rank(r, signal.SIGTERM)
+        self._sigtermed.update(r.pid for r in live)
+        if (
+            len(self.ranks) < self.cfg.nproc_per_node
+            and self.torchrun is not None
+            and not self._torchrun_sigtermed
+        ):
+            self._torchrun_sigtermed = True
+            # Ranks not found yet (torchrun still starting them): torchrun forwards the
+            # signal to whatever it started and honours TORCH_ELASTIC_SHUTDOWN_TIMEOUT.
+            with contextlib.suppress(ProcessLookupError):
+                self.torchrun.send_signal(signal.SIGTERM)
+
+    def _kill_everything(self) -> None:
+        for r in self.ranks:
+            if not r.exited:
+                rk.signal_rank(r, signal.SIGKILL)
+        if self.torchrun is not None and self.torchrun.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.torchrun.kill()
+
+    def on_superseded(self, detail: str) -> None:
+        if self.superseded is None:
+            self.superseded = detail or "attempt superseded"
+            log.warning("the service moved on (409: %s); stopping", detail)
+        self.begin_stop(f"superseded: {self.superseded}", STOP_GRACE_S)
+
+    # --- reports ---------------------------------------------------------------------
+
+    def report(self, kind: str, key: str, **fields: Any) -> None:
+        if self.client is None:
+            log.info("report %s %s", kind, fields if kind != "rank_exit" else fields.get("rank"))
+            return
+        self.outbox.put({"key": key[:64], "kind": kind, **fields})
+
+    def _report_loop(self) -> None:
+        assert self.client is not None
+        delays = backoff_delays()
+        while True:
+            doc = self.outbox.q.get()
+            if doc is None:
+                return
+            try:
+                while True:
+                    try:
+                        ans = self.client.report(doc)
+                    except Unreachable as e:
+                        log.info("report %s: service unreachable (%s); retrying", doc["kind"], e)
+                        time.sleep(next(delays))
+                        continue
+                    except Superseded as e:
+                        self.on_superseded(str(e))
+                        break
+                    delays = backoff_delays()
+                    if ans.status >= 300:
+                        # A report the service refuses (422, 404) is logged and dropped:
+                        # retrying the same body would block every report behind it.
+                        log.error(
+                            "report %s refused: HTTP %s %s", doc["kind"], ans.status, ans.body
+                        )
+                    break
+            finally:
+                self.outbox.done_one()
+
+    def _on_datagram(self, doc: dict[str, Any]) -> None:
+        kind = doc.get("type")
+        if kind == "checkpoint" and doc.get("rank") == 0 and isinstance(doc.get("step"), int):
+            self.report(
+                "checkpoint",
+                f"checkpoint:{doc['step']}",
+                step=doc["step"],
+                path=_str_or_none(doc.get("path")),
+                uploaded_uri=_str_or_none(doc.get("uploaded_uri")),
+                world_size=doc.get("world_size")
+                if isinstance(doc.get("world_size"), int)
+                else self.cfg.world_size,
+            )
+        elif kind == "anomaly":
+            finding = ANOMALY_FINDINGS.get(str(doc.get("kind")))
+            if finding is None:
+                log.warning("rank %s: anomaly of unknown kind %r", doc.get("rank"), doc.get("kind"))
+                return
+            step = doc.get("step") if isinstance(doc.get("step"), int) else None
+            detail = {k: v for k, v in doc.items() if k not in ("type", "rank")}
+            self.report(
+                "anomaly",
+                f"anomaly:{doc['rank']}:{doc.get('kind')}:{step}",
+                rank=doc["rank"],
+                finding=finding,
+                step=step,
+                detail=json_safe(detail),
+            )
+
+    # --- heartbeat / registration -----------------------------------------------------
+
+    def _rank_rows(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        rows = []
+        for r in list(self.ranks):
+            p = self.board.snapshot(r.rank)
+            rows.append(
+                {
+                    "rank": r.rank,
+                    "local_rank": r.local_rank,
+                    "pid": r.pid,
+                    "alive": not r.exited,
+                    "step": p.step,
+                    "step_time": p.step_time,
+                    "loss": p.loss,
+                    "grad_norm": p.grad_norm,
+                    "report_age_s": round(now - p.last_seen, 3) if p.last_seen else None,
+                    "resumed": p.resumed,
+                    "exit_code": r.exit_code if r.exited else None,
+                    "signal": r.signal if r.exited else None,
+                }
+            )
+        return rows
+
+    def _register(self) -> bool:
+        assert self.client is not None
+        body = {
+            "node_rank": self.cfg.node_rank,
+            "hostname": socket.gethostname(),
+            "agent_pid": os.getpid(),
+            "provider": self.cfg.provider,
+            "ranks": [
+                {"rank": r.rank, "local_rank": r.local_rank, "pid": r.pid} for r in self.ranks
+            ],
+        }
+        ans = self.client.register(body)
+        if ans.status == 404:
+            self.on_superseded(f"the service does not know job {self.cfg.job_id}")
+            return False
+        if ans.status != 200 or not isinstance(ans.body, dict):
+            log.error("register refused: HTTP %s %s", ans.status, ans.body)
+            return False
+        self.cursor = max(self.cursor, int(ans.body.get("command_cursor") or 0))
+        self._registered.set()
+        log.info("registered (command cursor %d)", self.cursor)
+        return True
+
+    def _heartbeat_body(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "ranks": self._rank_rows(),
+            "last_checkpoint": self.board.last_checkpoint(),
+            "acked_command": self.acked,
+        }
+
+    def _heartbeat_loop(self) -> None:
+        assert self.client is not None
+        delays = backoff_delays(cap=max(5.0, self.cfg.heartbeat_s))
+        unreachable_since: float | None = None
+        while not self._exit.is_set():
+            wait = self.cfg.heartbeat_s
+            try:
+                if not self._registered.is_set():
+                    self._register()
+                else:
+                    ans: Answer = self.client.heartbeat(self._heartbeat_body())
+                    if ans.status == 404:
+                        self._registered.clear()
+                        continue
+                    if ans.status >= 300:
+                        log.error("heartbeat refused: HTTP %s %s", ans.status, ans.body)
+                if unreachable_since is not None:
+                    log.warning(
+                        "service reachable again after %.1f s", time.monotonic() - unreachable_since
+                    )
+                    unreachable_since = None
+                delays = backoff_delays(cap=max(5.0, self.cfg.heartbeat_s))
+            except Superseded as e:
+                self.on_superseded(str(e))
+                return
+            except Unreachable as e:
+                if unreachable_since is None:
+                    unreachable_since = time.monotonic()
+                    log.warning("service unreachable (%s); training goes on, retrying", e)
+                wait = min(next(delays), max(self.cfg.heartbeat_s, 5.0))
+            self._exit.wait(wait)
+
+    # --- commands --------------------------------------------------------------------
+
+    def _command_loop(self) -> None:
+        assert self.client is not None
+        delays = backoff_delays()
+        while not self._exit.is_set():
+            if not self._registered.wait(0.5):
+                continue
+            try:
+                ans = self.client.commands(self.cursor, COMMAND_WAIT_S)
+            except Superseded as e:
+                self.on_superseded(str(e))
+                return
+            except Unreachable:
+                self._exit.wait(next(delays))
+                continue
+            delays = backoff_delays()
+            if ans.status == 404:
+                self._registered.clear()
+                continue
+            if ans.status != 200 or not isinstance(ans.body, dict):
+                log.error("commands refused: HTTP %s %s", ans.status, ans.body)
+                self._exit.wait(next(delays))
+                continue
+            for cmd in ans.body.get("commands") or []:
+                self.handle_command(cmd)
+                self.cursor = max(self.cursor, int(cmd["seq"]))
+                self.acked = self.cursor
+
+    def handle_command(self, cmd: dict[str, Any]) -> None:
+        kind, args = cmd.get("type"), cmd.get("args") or {}
+        log.info("command %s %s %s", cmd.get("seq"), kind, args)
+        if kind == "checkpoint_and_stop":
+            grace = args.get("grace_s")
+            grace = (
+                float(grace) if isinstance(grace, int | float) and grace > 0 else self.cfg.grace_s
+            )
+            self.begin_stop(f"checkpoint_and_stop: {args.get('reason') or 'service'}", grace)
+        elif kind == "stop":
+            self.begin_stop(f"stop: {args.get('reason') or 'service'}", STOP_GRACE_S)
+        elif kind == "set_checkpoint_every":
+            n = args.get("every_steps")
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                log.error("set_checkpoint_every: every_steps must be an integer >= 1, got %r", n)
+                return
+            write_control_file(self.cfg.control_file, {"checkpoint_every": n})
+        else:
+            log.error("unknown command type %r (skipped)", kind)
+
+    # --- metadata ----------------------------------------------------------------------
+
+    def _metadata_loop(self) -> None:
+        from orchestrator.cloud import metadata as md
+
+        provider = self.cfg.provider
+        if provider == "auto":
+            found = md.detect_provider(self.cfg.metadata_url)
+            if found is None:
+                log.error("--provider auto: no metadata endpoint answered; notices are off")
+                return
+            provider = found.value
+        poller = md.poller_for(provider, self.cfg.metadata_url)
+        log.info("polling %s metadata every %.2f s", provider, self.cfg.poll_s)
+        blind_since: float | None = None
+        first = True
+        while not self._exit.is_set():
+            # GCP can long-poll: a change arrives at once instead of a poll later. The
+            # first read is a plain poll so a notice already present is not missed.
+            if isinstance(poller, md.GcpPoller) and not first:
+                result = poller.wait(30.0)
+            else:
+                result = poller.poll()
+            first = False
+            if result.state == "notice" and result.notice is not None:
+                if result.notice.kind.value in ADVISORY_NOTICES:
+                    log.info("advisory notice %s (not acted on)", result.notice.kind.value)
+                else:
+                    self.on_notice(result.notice)
+                    return
+            elif result.state == "unknown":
+                if blind_since is None:
+                    blind_since = time.monotonic()
+                    log.warning("metadata unreadable: %s", result.error)
+            else:
+                blind_since = None
+            if isinstance(poller, md.GcpPoller) and result.state != "unknown":
+                continue
+            self._exit.wait(self.cfg.poll_s)
+
+    def on_notice(self, notice: Any) -> None:
+        """Act first (SIGTERM), tell the service second: fan-out never waits on HTTP."""
+        self.notice_at = time.time()
+        grace = self.cfg.grace_s
+        if notice.deadline is not None:
+            left = (notice.deadline - datetime.now(UTC)).total_seconds()
+            grace = max(1.0, min(grace, left))
+        self.begin_stop(f"preemption notice: {notice.provider.value} {notice.kind.value}", grace)
+        deadline = notice.deadline.isoformat() if notice.deadline else None
+        self.report(
+            "preemption_notice",
+            f"notice:{notice.provider.value}:{notice.kind.value}:{deadline}",
+            provider=notice.provider.value,
+            notice_kind=notice.kind.value,
+            deadline=deadline,
+            detail=json_safe(notice.raw),
+        )
+
+    # --- ranks -------------------------------------------------------------------------
+
+    def rank_env(self) -> dict[str, str]:
+        env = dict(self.environ)
+        env.pop(TOKEN_ENV, None)
+        env[Env.NODE_ID] = self.cfg.node_id
+        env[Env.PROGRESS_ADDR] = self.listener.addr
+        env[Env.CONTROL_FILE] = str(self.cfg.control_file)
+        env.setdefault(Env.LOCAL_CHECKPOINT_DIR, str(self.cfg.local_dir / "checkpoints"))
+        env.setdefault(Env.JOB_ID, self.cfg.job_id)
+        env.setdefault(Env.ATTEMPT, str(self.cfg.attempt))
+        if self.cfg.service_url:
+            env.setdefault(Env.SERVICE_URL, self.cfg.service_url)
+        if self.token:
+            env.setdefault(Env.JOB_TOKEN, self.token)
+        # torchrun's own SIGTERM path (if it is signalled) then honours our grace
+        # instead of its fixed 30 s.
+        env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(max(1, math.ceil(self.cfg.grace_s)))
+        return env
+
+    def start_ranks(self) -> None:
+        c = self.cfg
+        env = self.rank_env()
+        if c.launcher == "direct":
+            self.ranks = rk.start_direct(
+                list(c.command),
+                env,
+                nnodes=c.nnodes,
+                node_rank=c.node_rank,
+                nproc=c.nproc_per_node,
+                master_addr=c.master_addr,
+                master_port=c.master_port,
+                log_dir=c.log_dir,
+            )
+            self.state = "running"
+            return
+        argv = rk.torchrun_argv(
+            list(c.command),
+            nnodes=c.nnodes,
+            node_rank=c.node_rank,
+            nproc=c.nproc_per_node,
+            master_addr=c.master_addr,
+            master_port=c.master_port,
+            log_dir=c.log_dir / "torchrun",
+        )
+        self.torchrun = rk.start_torchrun(argv, env, c.log_dir / "torchrun.log")
+        log.info("torchrun pid %d: %s", self.torchrun.pid, " ".join(argv))
+
+    def _discover(self) -> None:
+        if self.torchrun is None or len(self.ranks) >= self.cfg.nproc_per_node:
+            return
+        known = {r.pid for r in self.ranks}
+        new = [r for r in rk.discover_ranks(self.torchrun.pid) if r.pid not in known]
+        if not new:
+            return
+        for r in new:
+            r.log_paths = rk.torchrun_log_paths(self.cfg.log_dir / "torchrun", r.local_rank)
+        with self._lock:
+            self.ranks = sorted([*self.ranks, *new], key=lambda r: r.local_rank)
+            if self.stopping:
+                self._sigterm_ranks()
+        log.info("ranks found: %s", ", ".join(f"{r.rank}:{r.pid}" for r in new))
+        if len(self.ranks) >= self.cfg.nproc_per_node:
+            if self.state == "starting":
+                self.state = "running"
+            if self.client is not None and self._registered.is_set():
+                self._registered.clear()  # register again so the service has the pids
+
+    def _on_rank_exit(self, r: rk.Rank) -> None:
+        how = (
+            f"signal {r.signal}"
+            if r.signal
+            else (f"exit code {r.exit_code}" if r.status_known else "status not yet known")
+        )
+        log.info("rank %d (pid %d) exited: %s", r.rank, r.pid, how)
+        if r.status_known:
+            self._report_rank_exit(r)
+        if self.stopping:
+            return
+        if r.status_known and r.exit_code == 0 and not r.signal:
+            return  # finished; the others will too
+        self.begin_stop(f"rank {r.rank} ended ({how})", self.cfg.grace_s)
+
+    def _report_rank_exit(self, r: rk.Rank) -> None:
+        if r.reported:
+            return
+        r.reported = True
+        self.report(
+            "rank_exit",
+            f"rank_exit:{r.rank}",
+            rank=r.rank,
+            local_rank=r.local_rank,
+            exit_code=r.exit_code,
+            signal=r.signal,
+            log_tail=rk.rank_log_tail(r),
+        )
+
+    def _torchrun_done(self) -> bool:
+        return self.torchrun is None or self.torchrun.poll() is not None
+
+    def _all_ranks_gone(self) -> bool:
+        if (
+            self.cfg.launcher == "torchrun"
+            and not self._torchrun_done()
+            and len(self.ranks) < self.cfg.nproc_per_node
+        ):
+            return False
+        return all(r.exited for r in self.ranks)
+
+    def supervise(self) -> None:
+        """The main loop: discover, watch, enforce the grace deadline."""
+        last_discover = 0.0
+        while True:
+            if self._signal_received is not None:
+                sig, self._signal_received = self._signal_received, None
+                self.begin_stop(f"agent received {signal.Signals(sig).name}", self.cfg.grace_s)
+            now = time.monotonic()
+            if now - last_discover >= 0.1:
+                last_discover = now
+                self._discover()
+            for r in list(self.ranks):
+                if rk.poll_rank(r):
+                    self._on_rank_exit(r)
+            orphans = any(not r.exited for r in self.ranks)
+            if self.torchrun is not None and self._torchrun_done() and orphans:
+                # torchrun died under live ranks: they would train on as orphans.
+                self.begin_stop("torchrun exited while ranks ran", STOP_GRACE_S)
+            if self.stopping and not self._killed and now >= (self._stop_deadline or now):
+                left = [r.rank for r in self.ranks if not r.exited]
+                log.warning("grace over: SIGKILL ranks %s", left)
+                self._killed = True
+                self._kill_everything()
+            if self._all_ranks_gone() and (self._torchrun_done() or self.ranks):
+                break
+            time.sleep(WATCH_S)
+
+    def _settle_torchrun(self) -> None:
+        """Wait for torchrun, then fill in exit statuses it reaped before we saw them."""
+        if self.torchrun is None:
+            return
+        try:
+            rc = self.torchrun.wait(timeout=10)
+        except Exception:
+            self.torchrun.kill()
+            rc = self.torchrun.wait()
+        text = ""
+        with contextlib.suppress(OSError):
+            text = (self.cfg.log_dir / "torchrun.log").read_text(errors="replace")
+        failures = rk.parse_torchrun_failures(text)
+        for r in self.ranks:
+            if r.status_known:
+                continue
+            if r.local_rank in failures and failures[r.local_rank][1] == r.pid:
+                r.exit_code, r.signal = rk.from_returncode(failures[r.local_rank][0])
+                r.status_known = True
+            elif failures or rc == 0:
+                r.exit_code, r.status_known = 0, True  # torchrun lists every non-zero exit
+            else:
+                ex = self.board.snapshot(r.rank).exit
+                if ex and isinstance(ex.get("code"), int):
+                    r.exit_code, r.status_known = ex["code"], True
+
+    # --- run ---------------------------------------------------------------------------
+
+    def _start_threads(self) -> list[threading.Thread]:
+        threads = []
+        if self.client is not None:
+            threads += [
+                threading.Thread(target=self._report_loop, name="reports", daemon=True),
+                threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True),
+                threading.Thread(target=self._command_loop, name="commands", daemon=True),
+            ]
+        if self.cfg.provider != "none":
+            threads.append(
+                threading.Thread(target=self._metadata_loop, name="metadata", daemon=True)
+            )
+        for t in threads:
+            t.start()
+        return threads
+
+    def run(self) -> int:
+        self.cfg.local_dir.mkdir(parents=True, exist_ok=True)
+        self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
+        self.listener.start()
+        self._start_threads()  # metadata polling starts before the ranks: from boot
+        try:
+            self.start_ranks()
+        except OSError as e:
+            log.error("could not start ranks: %s", e)
+            self.report(
+                "node_exit", "node_exit", exit_code=EXIT_FAILED, reason=f"launch failed: {e}"
+            )
+            self._finish()
+            return EXIT_FAILED
+        self.supervise()
+        self._settle_torchrun()
+        for r in self.ranks:
+            self._report_rank_exit(r)
+        code, reason = node_outcome(self.ranks, self._stop_reason)
+        if self.superseded and code != EXIT_OK:
+            code, reason = EXIT_FAILED, f"superseded: {self.superseded}"
+        last = self.board.last_checkpoint()
+        self.state = "exited"
+        self.report(
+            "node_exit",
+            "node_exit",
+            exit_code=code,
+            reason=reason,
+            saved_step=last["step"] if last else None,
+        )
+        log.info("node exit %d: %s", code, reason)
+        self._finish()
+        return code
+
+    def _finish(self) -> None:
+        if self.client is not None:
+            if not self.outbox.wait_drained(self.cfg.final_flush_s):
+                log.error(
+                    "gave up delivering %d report(s) after %.0f s",
+                    self.outbox.pending,
+                    self.cfg.final_flush_s,
+                )
+            if self._registered.is_set() and self.superseded is None:
+                with contextlib.suppress(Unreachable, Superseded):
+                    self.client.heartbeat(self._heartbeat_body())
+        self._exit.set()
+        self.outbox.q.put(None)
+        self.listener.stop()
+
+    def handle_signal(self, signum: int, _frame: Any) -> None:
+        self._signal_received = signum  # no I/O in a handler: the main loop acts
+
+
+def json_safe(x: Any) -> Any:
+    """A JSON value the service can store: NaN/Inf become None (PostgreSQL's JSON
+    refuses them), anything unknown becomes its str."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if x is None or isinstance(x, bool | int | str):
+        return x
+    if isinstance(x, dict):
+        return {str(k): json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [json_safe(v) for v in x]
+    return str(x)
+
+
+def _str_or_none(x: Any) -> str | None:
+    return x if isinstance(x, str) else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = parse_args(argv)
+    except UsageError as e:
+        print(f"skyresume-agent: error: {e}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    token = os.environ.get(TOKEN_ENV) or None
+    if cfg.service_url and not token:
+        print(
+            f"skyresume-agent: error: {TOKEN_ENV} is not set (the service token)", file=sys.stderr
+        )
+        sys.exit(EXIT_USAGE)
+    logging.basicConfig(
+        level=os.environ.get("SKYRESUME_AGENT_LOG_LEVEL", "INFO").upper(),
+        format=f"%(asctime)s skyresume-agent[{cfg.node_id}] %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    agent = Agent(cfg, token=token, environ=dict(os.environ))
+    signal.signal(signal.SIGTERM, agent.handle_signal)
+    signal.signal(signal.SIGINT, agent.handle_signal)
+    sys.exit(agent.run())
+
+
+if __name__ == "__main__":
+    main()
