@@ -69,6 +69,7 @@ def goodput(
         f"effective training time {doc['effective_training_fraction']:.1%} ({state})",
         markup=False,
         highlight=False,
+        soft_wrap=True,
     )
     split = Table("TIME", "SECONDS", "SHARE", title="where the wall time went")
     for label, key in (
@@ -87,37 +88,42 @@ def goodput(
         f"of which lost {_usd(doc['lost_usd'])}",
         markup=False,
         highlight=False,
+        soft_wrap=True,
     )
     if not doc["incidents"]:
         console.print("no incidents")
         return
-    t = Table(
-        "ID",
-        "AT",
-        "CLASS",
-        "WHERE",
-        "MTTR",
-        *(h for _, h in _STEP_HEADERS),
-        "STEPS LOST",
-        "LOST WORK",
-        "COST",
-        title="incidents (MTTR by protocol step)",
-    )
+    t = Table("ID", title="incidents")
+    for header in ("AT (UTC)", "CLASS", "WHERE", "MTTR", "REDONE", "COST"):
+        # Class and time stay whole on an 80-column terminal; placement may wrap.
+        t.add_column(
+            header,
+            no_wrap=header in ("AT (UTC)", "CLASS", "COST"),
+            overflow="fold" if header == "WHERE" else "ellipsis",
+        )
+    steps = Table("ID", *(h for _, h in _STEP_HEADERS), title="MTTR by restart-protocol step")
     for i in doc["incidents"]:
-        where = "/".join(x for x in (i["cloud"], i["region"], i["instance_type"]) if x)
+        where = " ".join(x for x in (i["region"], i["instance_type"]) if x)
         mttr = _duration(i["mttr_seconds"]) + (" (ongoing)" if i["ongoing"] else "")
+        redone = (
+            "?"
+            if i["steps_lost"] is None
+            else f"{i['steps_lost']} steps, {_duration(i['lost_work_seconds'])}"
+        )
         t.add_row(
             str(i["id"]),
-            i["occurred_at"][:19].replace("T", " "),
+            i["occurred_at"][5:16].replace("T", " "),
             i["failure_class"],
             where or "-",
             mttr,
-            *(_duration(i["step_seconds"].get(key)) for key, _ in _STEP_HEADERS),
-            "?" if i["steps_lost"] is None else str(i["steps_lost"]),
-            _duration(i["lost_work_seconds"]),
+            redone,
             _usd(i["usd"]),
         )
+        steps.add_row(
+            str(i["id"]), *(_duration(i["step_seconds"].get(key)) for key, _ in _STEP_HEADERS)
+        )
     console.print(t)
+    console.print(steps)
 
 
 def register(app: typer.Typer) -> None:
