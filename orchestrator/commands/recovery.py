@@ -5,7 +5,6 @@
 whole node killed, an agent killed alone, a rank frozen or slowed.
 """
 
-
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any

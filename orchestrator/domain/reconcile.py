@@ -62,6 +62,8 @@ class RankView:
     """Last step the rank reported progress for (None before its first step)."""
     resumed_step: int | None = None
     """What the rank reported resuming from (0 = fresh start); None = not yet."""
+    resumed_digest: str | None = None
+    """The manifest digest of what it loaded (None on a fresh start)."""
     report_age_s: float | None = None
     """Seconds between the rank's last datagram and the agent's last heartbeat."""
 
@@ -316,6 +318,8 @@ def resumed_everywhere(a: AttemptView) -> int | None:
     steps = {r.resumed_step for r in ranks}
     if None in steps or len(steps) != 1:
         return None
+    if len({r.resumed_digest for r in ranks}) != 1:
+        return None  # same step, different manifests: never train on that
     (step,) = steps
     assert step is not None
     if a.expected_step is not None and step != a.expected_step:

@@ -203,7 +203,8 @@ class Reconciler:
                 rc.RankView(
                     rank=int(r.get("rank", -1)),
                     step=r.get("step"),
-                    resumed_step=r.get("resumed_step"),
+                    resumed_step=(r.get("resumed") or {}).get("step"),
+                    resumed_digest=(r.get("resumed") or {}).get("manifest_digest"),
                     report_age_s=r.get("report_age_s"),
                 )
                 for r in prog.get("ranks", []) or []

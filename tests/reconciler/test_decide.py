@@ -95,6 +95,13 @@ def test_ranks_that_disagree_on_their_resume_step_are_not_validated():
     assert rc.decide(snap(status=S.PROVISIONING, attempt=a)) == []
 
 
+def test_ranks_at_the_same_step_from_different_manifests_are_not_validated():
+    n1 = node(1)
+    odd = replace(n1.ranks[1], resumed_digest="other")
+    a = attempt(validated=None, nodes=(node(0), replace(n1, ranks=(n1.ranks[0], odd))))
+    assert rc.decide(snap(status=S.PROVISIONING, attempt=a)) == []
+
+
 def test_one_missing_rank_report_is_not_validated():
     a = attempt(validated=None, nodes=(node(0), node(1, resumed=(0, None))))
     assert rc.decide(snap(status=S.PROVISIONING, attempt=a)) == []

@@ -117,7 +117,12 @@ class World:
                 nid = f"{self.job}-a{attempt}-n{k}"
                 agents.register_node(s, self.job, attempt, nid, node_rank=k, now=self.now)
                 ranks = [
-                    {"rank": 2 * k + i, "step": step, "resumed_step": resumed, "report_age_s": 0.1}
+                    {
+                        "rank": 2 * k + i,
+                        "step": step,
+                        "resumed": {"step": resumed, "manifest_digest": f"d{resumed}"},
+                        "report_age_s": 0.1,
+                    }
                     for i in range(2)
                 ]
                 body = {"state": "running", "ranks": ranks}
