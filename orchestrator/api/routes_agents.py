@@ -12,10 +12,16 @@ waiting at once is the normal state of a running job).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from collections.abc import Callable, Coroutine
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, status
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response, status
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
@@ -55,10 +61,38 @@ def require_job_access(request: Request, job_id: str) -> None:
     )
 
 
+def _json_safe(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+class _AgentRoute(APIRoute):
+    """422s whose echoed input holds NaN would crash the default handler (JSON has no
+    NaN); this route class answers them with the value spelled as a string."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except RequestValidationError as e:
+                detail = _json_safe(jsonable_encoder(e.errors()))
+                return JSONResponse({"detail": detail}, status_code=422)
+
+        return route
+
+
 router = APIRouter(
     prefix="/v1/jobs/{job_id}/attempts/{attempt}/nodes/{node_id}",
     tags=["agents"],
     dependencies=[Depends(require_job_access)],
+    route_class=_AgentRoute,
 )
 
 AttemptPath = Annotated[int, Path(ge=0, description="attempt number")]
@@ -96,6 +130,11 @@ class RegisterOut(BaseModel):
 _Float = Annotated[float, Field(allow_inf_nan=False)]
 
 
+class ResumedInfo(_Body):
+    step: int | None = None
+    manifest_digest: str | None = Field(default=None, max_length=128)
+
+
 class RankProgress(_Body):
     rank: int = Field(ge=0)
     local_rank: int = Field(ge=0)
@@ -107,6 +146,10 @@ class RankProgress(_Body):
     grad_norm: _Float | None = None
     report_age_s: _Float | None = None
     """Seconds since this rank's last datagram (None: it never sent one)."""
+    resumed: ResumedInfo | None = None
+    """What the rank loaded, from its ``resumed`` datagram (validation, protocol step 7)."""
+    exit_code: int | None = None
+    signal: str | None = Field(default=None, max_length=16)
 
 
 class LastCheckpoint(_Body):
