@@ -151,6 +151,33 @@ def _s3_endpoint() -> str | None:
     return os.environ.get("SKYRESUME_S3_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL")
 
 
+# What boto3's credential chain reads from the environment. A botocore session
+# resolves credentials once and keeps them, so one shared session would keep using
+# the first keys it saw after the environment changed (another endpoint, rotated
+# static keys); one session per distinct setting, each built once (a session costs
+# ~100 ms of loading service models).
+_CREDENTIAL_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_CONFIG_FILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+)
+_sessions: dict[tuple[str | None, ...], Any] = {}
+_sessions_lock = threading.Lock()
+
+
+def _boto3_session() -> Any:
+    import boto3.session
+
+    env = tuple(os.environ.get(k) for k in _CREDENTIAL_ENV)
+    with _sessions_lock:
+        if env not in _sessions:
+            _sessions[env] = boto3.session.Session()
+        return _sessions[env]
+
+
 class S3Store:
     """An S3 bucket through boto3 (any S3-compatible server via the endpoint URL).
 
@@ -158,13 +185,12 @@ class S3Store:
     """
 
     def __init__(self, bucket: str, endpoint_url: str | None = None, max_pool: int = 64) -> None:
-        import boto3
         from botocore.config import Config
 
         self.bucket = bucket
         self.endpoint_url = endpoint_url or _s3_endpoint()
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-        self.client = boto3.client(
+        self.client = _boto3_session().client(
             "s3",
             endpoint_url=self.endpoint_url,
             region_name=region,
@@ -399,54 +425,113 @@ def _retry(fn: Callable[[], Any], what: str, attempts: int, backoff: float) -> A
     raise AssertionError("unreachable")
 
 
+class _InOrderHasher:
+    """sha256 of a file whose ranges land in any order: each range is fed as soon as
+    every byte before it has been fed, so the file is never read back to verify it.
+
+    Ranges waiting for an earlier one are held in memory. The pool takes ranges in
+    file order, so an earlier range is always already in flight: at most about
+    ``workers`` ranges wait at once."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._h = hashlib.sha256()
+        self._next = 0
+        self._waiting: dict[int, bytes] = {}
+        self._feeding = False
+        self._lock = threading.Lock()
+
+    def add(self, off: int, data: bytes) -> str | None:
+        """Feed a range; the hex digest once the whole file has been fed, else None.
+        Exactly one call returns the digest."""
+        with self._lock:
+            self._waiting[off] = data
+            if self._feeding:
+                return None  # the thread that is feeding picks this one up
+            self._feeding = True
+        while True:
+            with self._lock:
+                chunk = self._waiting.pop(self._next, None)
+                if chunk is None:
+                    self._feeding = False
+                    return None
+                self._next += len(chunk)
+                last = self._next >= self.size
+            self._h.update(chunk)  # outside the lock: hashlib lets go of the GIL
+            if last:
+                return self._h.hexdigest()
+
+
 def download_ranges(
     store: ObjectStore,
     jobs: list[tuple[str, str, int]],
     *,
     workers: int = 16,
-    part_size: int = 8 << 20,
+    part_size: int = 16 << 20,
     attempts: int = 4,
     backoff: float = 0.2,
     on_bytes: Callable[[int], None] | None = None,
-    digests: dict[str, str] | None = None,
+    on_file: Callable[[str, str], None] | None = None,
 ) -> None:
     """Download ``(key, local_path, size)`` objects, splitting each into ranges that
     run in parallel and land in place with ``os.pwrite``. Each range is retried on
     its own, so a dropped connection re-fetches one range, not the file.
 
-    Objects that fit in one range are hashed in flight into ``digests`` (path ->
-    sha256), which saves re-reading them from disk to verify."""
+    Every file is hashed while it downloads; ``on_file(local_path, sha256)`` runs
+    (on a worker thread) as soon as a file is complete and closed, so a caller can
+    verify and keep it before the rest finish: an interrupted transfer keeps what
+    it verified. The first error stops the ranges not yet started and is raised."""
+    if workers < 1 or part_size < 1:
+        raise ValueError(f"workers ({workers}) and part_size ({part_size}) must be >= 1")
     fds: dict[str, int] = {}
-    sizes: dict[int, int] = {}
-    paths: dict[int, str] = {}
-    tasks: list[tuple[str, int, int, int]] = []
+    tasks: list[tuple[str, str, _InOrderHasher, int, int]] = []
+    fds_lock = threading.Lock()
+
+    def finish(path: str, digest: str) -> None:
+        with fds_lock:
+            fd = fds.pop(path)
+        os.close(fd)
+        if on_file:
+            on_file(path, digest)
+
     try:
+        empty = []
         for key, path, size in jobs:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            fds[path] = fd
-            sizes[fd], paths[fd] = size, path
+            fds[path] = fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.ftruncate(fd, size)
+            if size == 0:
+                empty.append(path)
+                continue
+            hasher = _InOrderHasher(size)
             tasks.extend(
-                (key, fd, off, min(part_size, size - off)) for off in range(0, size, part_size)
+                (key, path, hasher, off, min(part_size, size - off))
+                for off in range(0, size, part_size)
             )
+        for path in empty:
+            finish(path, hashlib.sha256(b"").hexdigest())
 
-        def fetch(task: tuple[str, int, int, int]) -> None:
-            key, fd, off, length = task
+        def fetch(task: tuple[str, str, _InOrderHasher, int, int]) -> None:
+            key, path, hasher, off, length = task
             data = _retry(
                 lambda: store.get_range(key, off, length), f"{key}@{off}", attempts, backoff
             )
             if len(data) != length:
                 raise ChecksumError(f"{key}: short read at {off} ({len(data)} of {length} bytes)")
-            if digests is not None and off == 0 and length == sizes[fd]:
-                digests[paths[fd]] = hashlib.sha256(data).hexdigest()
-            os.pwrite(fd, data, off)
+            os.pwrite(fds[path], data, off)
             if on_bytes:
                 on_bytes(length)
+            digest = hasher.add(off, data)
+            if digest is not None:
+                finish(path, digest)
 
-        with ThreadPoolExecutor(max_workers=workers) as pool:
+        pool = ThreadPoolExecutor(max_workers=workers)
+        try:
             for fut in [pool.submit(fetch, t) for t in tasks]:
                 fut.result()
+        finally:
+            # On an error, drop the queued ranges instead of fetching them all first.
+            pool.shutdown(wait=True, cancel_futures=True)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -555,7 +640,11 @@ def _stage_one(
     part_size: int,
     on_bytes: Callable[[int], None],
 ) -> int:
-    """Stage one checkpoint into ``dest``; returns bytes downloaded."""
+    """Stage one checkpoint into ``dest``; returns bytes downloaded.
+
+    Each file lands as ``<name>.partial`` and is renamed to its name only once its
+    sha256 matches the manifest, so whatever sits under a manifest name has been
+    verified, and a stage cut short resumes from the files it finished."""
     dest.mkdir(parents=True, exist_ok=True)
     # A stale COMMIT from an earlier stage must not vouch for files about to change.
     (dest / COMMIT_NAME).unlink(missing_ok=True)
@@ -567,30 +656,29 @@ def _stage_one(
             on_bytes(f.size)
         else:
             todo.append(f)
-    partial = {f.path: str(dest / f"{f.path}.partial") for f in todo}
-    digests: dict[str, str] = {}
-    download_ranges(
-        store,
-        [(_join(info.key, f.path), partial[f.path], f.size) for f in todo],
-        workers=workers,
-        part_size=part_size,
-        on_bytes=on_bytes,
-        digests=digests,
-    )
+    by_partial = {str(dest / f"{f.path}.partial"): f for f in todo}
 
-    def verify(f: Any) -> None:
-        p = partial[f.path]
-        got = digests.get(p) or file_sha256(p)
+    def verify(partial: str, got: str) -> None:
+        f = by_partial[partial]
         if got != f.sha256:
-            Path(p).unlink(missing_ok=True)
             raise ChecksumError(
                 f"{_join(info.key, f.path)}: sha256 {got[:12]}..., manifest says {f.sha256[:12]}..."
             )
-        os.replace(p, dest / f.path)
+        os.replace(partial, dest / f.path)
 
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        for fut in [pool.submit(verify, f) for f in todo]:
-            fut.result()
+    try:
+        download_ranges(
+            store,
+            [(_join(info.key, f.path), p, f.size) for p, f in by_partial.items()],
+            workers=workers,
+            part_size=part_size,
+            on_bytes=on_bytes,
+            on_file=verify,
+        )
+    finally:
+        # Unverified bytes never stay behind (a bad file, or one cut off mid-way).
+        for p in by_partial:
+            Path(p).unlink(missing_ok=True)
     (dest / MANIFEST_NAME).write_bytes(mbytes)
     (dest / COMMIT_NAME).write_bytes(commit_marker(mbytes))
     return sum(f.size for f in todo)
@@ -601,7 +689,7 @@ def stage_checkpoint(
     local_dir: str,
     *,
     workers: int = 16,
-    part_size: int = 8 << 20,
+    part_size: int = 16 << 20,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> StagedCheckpoint:
     """Download the newest complete checkpoint under ``uri`` into ``local_dir/step_<N>``.
