@@ -262,7 +262,9 @@ def main() -> None:
         extra = " (incl. sha256)" if side == "ours" else ""
         print(f"{labels[side] + ':':32} {secs:7.2f} s  {mib / secs:8.1f} MiB/s{extra}")
     ours_s = best["ours"]
-    ratios = {f"speedup_vs_{k}": round(best[k] / ours_s, 2) for k in best if k not in ("ours", "floor")}
+    ratios = {
+        f"speedup_vs_{k}": round(best[k] / ours_s, 2) for k in best if k not in ("ours", "floor")
+    }
     print(
         "; ".join(f"{k.replace('_', ' ')}: {v:.2f}x" for k, v in ratios.items())
         + f"; ours / floor: {ours_s / best['floor']:.2f}x"
