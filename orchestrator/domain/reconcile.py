@@ -375,10 +375,16 @@ def decide(s: JobSnapshot, cfg: ReconcileConfig | None = None) -> list[Action]:
         and all(n.exited for n in a.nodes)
         and all(n.exit_code == 0 for n in a.nodes)
     ):
-        return [
+        done: list[Action] = [
             SetStatus(JobStatus.SUCCEEDED, f"training finished at step {a.last_step()}"),
             Release(a.number, "finished"),
         ]
+        if s.status is JobStatus.PROVISIONING:  # finished before every rank reported in
+            done.insert(0, SetStatus(JobStatus.RUNNING, "every node ran to completion"))
+        return done
+    if a.state == "ended":
+        return [SetStatus(JobStatus.FAILED, f"attempt {a.number} ended with no outcome recorded")]
+
     if a.validated_step is None:
         step = resumed_everywhere(a)
         if step is not None:
