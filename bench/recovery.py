@@ -1,0 +1,297 @@
+"""MTTR of skyresume's restart protocol vs plain ``torchrun --max-restarts``, and the
+agent's cost in steps/s, all measured in one run on this machine.
+
+    python bench/recovery.py            # ~5-8 minutes on 2 cores
+
+1. **skyresume**: ``skyresume serve`` (SQLite, local launcher) runs the 2-node x
+   2-rank CPU GPT job; a preemption notice on node 1, then, once recovered, node 1
+   killed outright. MTTR per incident is failure -> every rank validated at the
+   resume step, with the time of each protocol step.
+2. **baseline**: the same job under two plain ``torchrun --nnodes 1:2
+   --max-restarts 3`` processes (c10d rendezvous hosted by node 0, the fast
+   ``--rdzv-conf`` from DESIGN.md); node 1 killed the same way. MTTR = kill ->
+   the first training step of the restarted workers (ranks report over UDP).
+   torchrun has no notice path and no replacement node: the survivor carries on
+   alone if its rendezvous re-forms.
+3. **overhead**: steps/s of a failure-free run under the agent vs under bare
+   torchrun with the same static rendezvous, from the checkpoints' commit times.
+
+Ends with one JSON line: ``{"bench": "recovery", ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from orchestrator.demo import DemoService, api_get, api_post, job_spec, wait_for  # noqa: E402
+from orchestrator.launchers.local import free_port, session_pids  # noqa: E402
+
+STEP_SLEEP = 0.1
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SKYRESUME_")}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _train_cmd(steps: int, ckpt: Path, sleep: float) -> list[str]:
+    return [
+        "-m",
+        "training.examples.train_gpt",
+        "--max-steps",
+        str(steps),
+        "--checkpoint-uri",
+        f"file://{ckpt}",
+        "--checkpoint-every",
+        "10",
+        "--step-sleep",
+        str(sleep),
+    ]
+
+
+# --- 1. skyresume ------------------------------------------------------------------------
+
+
+def skyresume_incidents(tmp: Path, deadline: float) -> list[dict]:
+    svc = DemoService(tmp)
+    try:
+        http = svc.wait_ready()
+        job = api_post(http, "/v1/jobs", job_spec(tmp, 2000))["id"]
+        s = wait_for(
+            http, job, "step 30", lambda st, n, v, step: v is not None and step >= 30, deadline
+        )
+        api_post(http, f"/v1/jobs/{job}/chaos", {"action": "preempt", "node": 1})
+        first = s[1]
+        s = wait_for(
+            http,
+            job,
+            "recovery 1",
+            lambda st, n, v, step: n > first and v is not None and step >= v + 20,
+            deadline,
+        )
+        api_post(http, f"/v1/jobs/{job}/chaos", {"action": "kill-node", "node": 1})
+        second = s[1]
+        wait_for(
+            http, job, "recovery 2", lambda st, n, v, step: n > second and v is not None, deadline
+        )
+        incs = api_get(http, f"/v1/jobs/{job}/incidents")["items"]
+        http.post(f"/v1/jobs/{job}/cancel")
+        time.sleep(3)
+        return incs
+    finally:
+        svc.stop()
+
+
+# --- 2. baseline: plain torchrun --max-restarts ------------------------------------------
+
+
+class ProgressListener:
+    """The ranks' UDP progress datagrams, with arrival times."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.addr = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.events: list[tuple[float, dict]] = []
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data = self.sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.events.append((time.monotonic(), json.loads(data)))
+
+    def max_step(self) -> int:
+        return max(
+            (d.get("step", -1) for _, d in self.events if d["type"] == "progress"), default=-1
+        )
+
+    def close(self) -> None:
+        self._stop.set()
+        self.sock.close()
+
+
+def baseline_mttr(tmp: Path, timeout_s: float = 240) -> dict:
+    ckpt = tmp / "ckpt"
+    listener = ProgressListener()
+    env = {**_env(), "SKYRESUME_RUN_PROGRESS_ADDR": listener.addr}
+    port = free_port()
+    procs = []
+    conf = "last_call_timeout=5,keep_alive_interval=2,keep_alive_max_attempt=2"
+    for node in range(2):
+        argv = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=1:2",
+            "--nproc-per-node=2",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=bench",
+            "--max-restarts=3",
+            # node 0 hosts the store: losing it would end the job outright (DESIGN.md)
+            f"--rdzv-conf=is_host={int(node == 0)},{conf}",
+            *_train_cmd(2000, ckpt, STEP_SLEEP),
+        ]
+        log = open(tmp / f"node{node}.log", "wb")  # noqa: SIM115
+        procs.append(
+            subprocess.Popen(
+                argv,
+                env=env,
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
+        if node == 0:
+            time.sleep(1.0)
+    try:
+        end = time.monotonic() + timeout_s
+        while listener.max_step() < 30:
+            if time.monotonic() > end or any(p.poll() is not None for p in procs):
+                return {"recovered": False, "why": "never reached step 30"}
+            time.sleep(0.1)
+        before = listener.max_step()
+        t_kill = time.monotonic()
+        for pid in session_pids(procs[1].pid):
+            os.kill(pid, signal.SIGKILL)
+        while time.monotonic() < t_kill + timeout_s:
+            # A restarted worker resumes from a checkpoint at or before the kill, so
+            # its first steps are not past it; the hung survivors make no steps.
+            again = [
+                t
+                for t, d in list(listener.events)
+                if t > t_kill and d["type"] == "progress" and d.get("step", 0) <= before
+            ]
+            if again:
+                return {"recovered": True, "mttr_s": again[0] - t_kill, "killed_at_step": before}
+            if procs[0].poll() is not None:
+                return {"recovered": False, "why": f"survivor exited {procs[0].returncode}"}
+            time.sleep(0.1)
+        return {"recovered": False, "why": f"no training step within {timeout_s:.0f} s"}
+    finally:
+        for p in procs:
+            for pid in session_pids(p.pid):
+                os.kill(pid, signal.SIGKILL)
+        listener.close()
+
+
+# --- 3. steps/s under the agent vs bare torchrun -------------------------------------------
+
+
+def _commit_rate(ckpt: Path, lo: int, hi: int) -> float:
+    t_lo = (ckpt / f"step_{lo}" / "COMMIT").stat().st_mtime
+    t_hi = (ckpt / f"step_{hi}" / "COMMIT").stat().st_mtime
+    return (hi - lo) / (t_hi - t_lo)
+
+
+def bare_steps_per_s(tmp: Path, steps: int) -> float:
+    ckpt = tmp / "ckpt"
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--node-rank={k}",
+                "--nproc-per-node=2",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                "--max-restarts=0",
+                *_train_cmd(steps, ckpt, 0.0),
+            ],
+            env=_env(),
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for k in range(2)
+    ]
+    for p in procs:
+        if p.wait(600) != 0:
+            raise RuntimeError(f"bare torchrun exited {p.returncode}")
+    return _commit_rate(ckpt, 20, steps - 10)
+
+
+def agent_steps_per_s(tmp: Path, steps: int, deadline: float) -> float:
+    svc = DemoService(tmp)
+    try:
+        http = svc.wait_ready()
+        spec = job_spec(tmp, steps)
+        spec["task"]["command"] = spec["task"]["command"].replace("--step-sleep 0.1", "")
+        job = api_post(http, "/v1/jobs", spec)["id"]
+        s = wait_for(http, job, "the end", lambda st, n, v, step: st == "SUCCEEDED", deadline)
+        if s[0] != "SUCCEEDED":
+            raise RuntimeError(f"job ended {s[0]}")
+    finally:
+        svc.stop()
+    return _commit_rate(tmp / "checkpoints", 20, steps - 10)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=200, help="steps of the throughput runs")
+    args = p.parse_args()
+    deadline = time.monotonic() + 1800
+    with tempfile.TemporaryDirectory(prefix="bench-recovery-") as d:
+        tmp = Path(d)
+        for sub in ("sky", "base", "agent", "bare"):
+            (tmp / sub).mkdir()
+        incs = skyresume_incidents(tmp / "sky", deadline)
+        base = baseline_mttr(tmp / "base")
+        bare = bare_steps_per_s(tmp / "bare", args.steps)
+        agent = agent_steps_per_s(tmp / "agent", args.steps, deadline)
+    by_class = {i["failure_class"]: i for i in incs}
+    pre, kill = by_class.get("preemption_notice"), by_class.get("node_lost")
+    for i in incs:
+        steps = ", ".join(f"{s['step']} {s['seconds']:.2f}" for s in i["steps"] if s["seconds"])
+        print(
+            f"{i['failure_class']:18} MTTR {i['mttr_s']:.1f} s, {i['steps_lost']} steps lost: "
+            f"{steps}"
+        )
+    print(f"torchrun --max-restarts, node killed: {base}")
+    print(f"steps/s: bare torchrun {bare:.2f}, under the agent {agent:.2f}")
+    out = {
+        "bench": "recovery",
+        "preemption_mttr_s": round(pre["mttr_s"], 2) if pre else None,
+        "preemption_steps_lost": pre["steps_lost"] if pre else None,
+        "node_kill_mttr_s": round(kill["mttr_s"], 2) if kill else None,
+        "node_kill_steps_lost": kill["steps_lost"] if kill else None,
+        "node_kill_breakdown_s": {s["step"]: round(s["seconds"] or 0, 2) for s in kill["steps"]}
+        if kill
+        else None,
+        "torchrun_node_kill_recovered": base["recovered"],
+        "torchrun_node_kill_mttr_s": round(base["mttr_s"], 2) if base.get("mttr_s") else None,
+        "node_kill_mttr_over_torchrun": round(kill["mttr_s"] / base["mttr_s"], 3)
+        if kill and base.get("mttr_s")
+        else None,
+        "agent_steps_per_s_over_bare": round(agent / bare, 3),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
