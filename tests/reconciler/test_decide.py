@@ -240,3 +240,16 @@ def test_a_new_failure_before_validation_closes_the_incident_as_failed():
 def test_a_terminal_job_releases_its_nodes_once():
     assert rc.decide(snap(status=S.CANCELLED)) == [rc.Release(1, "job CANCELLED")]
     assert rc.decide(snap(status=S.CANCELLED, attempt=attempt(state="ended"))) == []
+
+
+def test_a_job_that_finishes_before_every_rank_reported_in_still_succeeds():
+    a = attempt(
+        validated=None, nodes=(node(0, exited=True, exit_code=0), node(1, exited=True, exit_code=0))
+    )
+    out = rc.decide(snap(status=S.PROVISIONING, attempt=a))
+    assert [o.status for o in out if isinstance(o, rc.SetStatus)] == [S.RUNNING, S.SUCCEEDED]
+
+
+def test_an_attempt_that_ended_without_an_outcome_fails_the_job_instead_of_hanging():
+    (out,) = rc.decide(snap(attempt=attempt(state="ended")))
+    assert out.status is S.FAILED and "no outcome recorded" in out.reason
