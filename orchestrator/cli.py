@@ -31,11 +31,12 @@ app.add_typer(db_app, name="db")
 
 def _register_command_modules() -> None:
     # Each area keeps its commands in orchestrator/commands/<area>.py (light imports).
-    from orchestrator.commands import cloud, failures, goodput, recovery
+    from orchestrator.commands import cloud, failures, goodput, plan, recovery
 
     cloud.register(app)
     failures.register(app)
     goodput.register(app)
+    plan.register(app)
     recovery.register(app)
 
 

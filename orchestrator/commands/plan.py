@@ -1,0 +1,260 @@
+"""``skyresume plan FILE``: where a job would run, what it would cost, which knobs.
+
+FILE is a skyresume job spec or a plain SkyPilot task YAML. Planning reads
+SkyPilot's catalog only (no service, no cloud credentials): candidates come from
+:mod:`orchestrator.launchers.catalog`, the ranking from the pure planner, and the
+last line shows the replacement the reconciler would pick if the top choice were
+preempted now (its region cooled down, its instance type penalised).
+
+Exit codes: 2 for input the operator can fix (bad spec, unknown accelerator, a
+YAML SkyPilot rejects, nothing left after the job's constraints), 1 when the
+catalog is missing on this machine (the message says how to get one).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from datetime import UTC, datetime
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+
+
+class Output(StrEnum):
+    table = "table"
+    json = "json"
+
+
+def _fail(message: str, code: int = 2) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    raise typer.Exit(code)
+
+
+def _is_job_spec(doc: dict[str, Any]) -> bool:
+    return isinstance(doc.get("task"), dict) or "checkpoint" in doc
+
+
+def _spec_from_skypilot_yaml(path: Path) -> tuple[Any, Any]:
+    """(JobSpec for the planner, TaskDemand) from a plain SkyPilot task YAML."""
+    from orchestrator.domain.spec import SpecError, validate_job_spec
+    from orchestrator.launchers.catalog import demand_from_task
+    from orchestrator.launchers.skypilot import load_task_config, task_from_config
+
+    config = load_task_config(path, what="SkyPilot task")
+    task = task_from_config(config, what=f"SkyPilot task {path}")
+    demand = demand_from_task(task)
+    raw_name = str(task.name or path.stem).lower()
+    name = re.sub(r"[^a-z0-9\-_.]+", "-", raw_name).strip("-")[:63] or "task"
+    doc = {
+        "name": name,
+        "task": {"skypilot_yaml": str(path)},
+        "num_nodes": demand.num_nodes,
+        "accelerators": list(demand.accelerators),
+        "spot": demand.spot,
+        "clouds": list(demand.clouds),
+        "regions": list(demand.regions),
+        # Planning never writes a checkpoint; the spec type needs a URI.
+        "checkpoint": {"uri": "file:///tmp/skyresume-plan"},
+    }
+    try:
+        return validate_job_spec(doc), demand
+    except SpecError as e:
+        raise ValueError(f"{path}: cannot plan this SkyPilot task: {e}") from None
+
+
+def _load(path: Path) -> tuple[str, Any]:
+    from orchestrator.domain.spec import SpecError, load_yaml_document, validate_job_spec
+    from orchestrator.launchers.catalog import demand_from_task
+    from orchestrator.launchers.skypilot import load_task_config, task_from_config
+
+    try:
+        text = path.read_bytes()
+    except OSError as e:
+        _fail(f"cannot read {path}: {e.strerror}")
+    try:
+        doc = load_yaml_document(text, what=str(path))
+    except SpecError as e:
+        _fail(f"{path}: {e}")
+    if not isinstance(doc, dict):
+        _fail(f"{path}: expected a job spec or a SkyPilot task (a mapping)")
+    if not _is_job_spec(doc):
+        return "skypilot", _spec_from_skypilot_yaml(path)[0]
+    try:
+        spec = validate_job_spec(doc)
+    except SpecError as e:
+        _fail(f"{path}: {e}")
+    if spec.task.skypilot_yaml and not spec.accelerators:
+        # The job's accelerators live in its SkyPilot YAML (relative to the spec).
+        yaml_path = Path(spec.task.skypilot_yaml)
+        if not yaml_path.is_absolute():
+            yaml_path = path.parent / yaml_path
+        config = load_task_config(yaml_path, what="SkyPilot task")
+        demand = demand_from_task(task_from_config(config, what=f"SkyPilot task {yaml_path}"))
+        spec = spec.model_copy(update={"accelerators": list(demand.accelerators)})
+    return "job", spec
+
+
+def _gpus(p: Any) -> str:
+    if not p.accelerator:
+        return "cpu"
+    mem = f" {p.gpu_memory_gib:g} GiB" if p.gpu_memory_gib else ""
+    return f"{p.accelerator_count}x {p.accelerator}{mem}"
+
+
+def _knobs(p: Any) -> str:
+    k = p.knobs
+    if k is None:
+        return "-"
+    ac = {0: "off", 1: "every block"}.get(
+        k.activation_checkpoint_every, f"every {k.activation_checkpoint_every}th"
+    )
+    return f"micro {k.micro_batch} x accum {k.grad_accum}, AC {ac}"
+
+
+def _ranked_json(r: Any) -> dict[str, Any]:
+    return {
+        **r.placement.to_dict(),
+        "score": round(r.score, 4),
+        "price_per_job_hour": round(r.price_per_job_hour, 4),
+        "expected_lost_fraction": round(r.expected_lost_fraction, 4),
+        "recent_preemptions": round(r.recent_preemptions, 4),
+        "memory": r.memory.to_dict() if r.memory else None,
+    }
+
+
+def plan(
+    file: Annotated[Path, typer.Argument(help="a skyresume job spec or a SkyPilot task YAML")],
+    exclude_region: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--exclude-region",
+            help="leave out a region (us-east-1 or aws/us-east-1); repeatable",
+        ),
+    ] = None,
+    output: Annotated[Output, typer.Option("--output", "-o")] = Output.table,
+    limit: Annotated[int, typer.Option("--limit", help="rows shown in the table")] = 10,
+) -> None:
+    """Rank where FILE's job would run (catalog only, no credentials needed)."""
+    from orchestrator.domain.planner import rank, replacement_after_preemption
+    from orchestrator.launchers.base import LaunchError
+    from orchestrator.launchers.catalog import (
+        CatalogUnavailable,
+        UnknownAccelerator,
+        gather_candidates,
+    )
+
+    excluded = tuple(exclude_region or ())
+    try:
+        kind, spec = _load(file)
+        candidates = gather_candidates(spec.accelerators, clouds=spec.clouds, regions=spec.regions)
+    except CatalogUnavailable as e:
+        _fail(str(e), 1)
+    except (UnknownAccelerator, LaunchError, ValueError) as e:
+        _fail(str(e))
+    now = datetime.now(UTC)
+    ranking = rank(spec, candidates, [], now, exclude_regions=excluded)
+    if not ranking.ranked:
+        _fail(f"no placement for {spec.name!r}: {ranking.why_empty()}")
+    top = ranking.ranked[0].placement
+    after = replacement_after_preemption(spec, candidates, [], now, top, exclude_regions=excluded)
+    replacement = after.ranked[0] if after.ranked else None
+
+    if output is Output.json:
+        doc = {
+            "file": str(file),
+            "kind": kind,
+            "job": spec.name,
+            "num_nodes": spec.num_nodes,
+            "spot": spec.spot,
+            "excluded_regions": list(excluded),
+            "ranked": [_ranked_json(r) for r in ranking.ranked],
+            "rejected": [
+                {
+                    "cloud": j.candidate.cloud,
+                    "region": j.candidate.region,
+                    "instance_type": j.candidate.instance_type,
+                    "constraint": j.constraint,
+                    "reason": j.reason,
+                }
+                for j in ranking.rejected
+            ],
+            "replacement_after_preemption": (
+                {"preempted": top.to_dict(), **_ranked_json(replacement)}
+                if replacement
+                else {"preempted": top.to_dict(), "why_none": after.why_empty()}
+            ),
+        }
+        print(json.dumps(doc, indent=1))
+        return
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=140)  # pipes and logs: do not squeeze columns to 80
+    table = Table(
+        title=f"{spec.name}: {spec.num_nodes} node(s), {'spot' if spec.spot else 'on-demand'}"
+    )
+    right = ("#", "nodes", "$/h", "$/useful h", "lost")
+    cols = ("#", "cloud/region", "instance type", "GPUs", "nodes", "$/h", "$/useful h", "lost")
+    for col in (*cols, "knobs"):
+        table.add_column(col, justify="right" if col in right else "left", no_wrap=col != "knobs")
+    for i, r in enumerate(ranking.ranked[:limit], 1):
+        p = r.placement
+        table.add_row(
+            str(i),
+            f"{p.cloud}/{p.region}",
+            p.instance_type,
+            _gpus(p),
+            str(p.num_nodes),
+            f"{r.price_per_job_hour:.2f}",
+            f"{r.score:.2f}",
+            f"{r.expected_lost_fraction:.0%}",
+            _knobs(p),
+        )
+    console.print(table)
+    console.print(
+        "$/h: spot (or on-demand) price of every node together; $/useful h: that price "
+        "over the work it gets done after recompute, fewer nodes and expected "
+        "preemption losses (the ranking)",
+        highlight=False,
+    )
+    console.print(f"why #1: {'; '.join(top.reasons)}", highlight=False, markup=False)
+    if len(ranking.ranked) > limit:
+        console.print(f"... and {len(ranking.ranked) - limit} more (--limit, or -o json)")
+    if ranking.rejected:
+        counts: dict[str, int] = {}
+        for j in ranking.rejected:
+            counts[j.constraint] = counts.get(j.constraint, 0) + 1
+        console.print(
+            "rejected: " + ", ".join(f"{n} by {c}" for c, n in counts.items()),
+            highlight=False,
+        )
+        for j in ranking.rejected:
+            if j.constraint == "fit":
+                console.print(f"  fit: {j.reason}", highlight=False, markup=False)
+                break
+    if replacement is not None:
+        p = replacement.placement
+        console.print(
+            f"after a preemption in {top.cloud}/{top.region}: {p.cloud}/{p.region} "
+            f"{p.instance_type} ({_gpus(p)}) x {p.num_nodes}, "
+            f"${replacement.price_per_job_hour:.2f}/h, knobs {_knobs(p)}",
+            highlight=False,
+            markup=False,
+        )
+    else:
+        console.print(
+            f"after a preemption in {top.cloud}/{top.region}: nothing ({after.why_empty()})",
+            highlight=False,
+            markup=False,
+        )
+
+
+def register(app: typer.Typer) -> None:
+    app.command("plan")(plan)

@@ -1,0 +1,303 @@
+"""Planner candidates from SkyPilot's own catalog, read in process.
+
+The planner (:mod:`orchestrator.domain.planner`) is pure; this module is its one
+source of rows. It asks SkyPilot's catalog (``sky.catalog.list_accelerators``, the
+same tables ``sky show-gpus`` and SkyPilot's optimizer read) for every region that
+offers each of the job's accelerators, with on-demand and spot prices and the GPU's
+memory, and turns them into :class:`~orchestrator.domain.planner.Candidate` rows.
+
+Planning needs the catalog only, never cloud credentials. SkyPilot downloads a
+missing catalog file on first read; on a machine that cannot reach GitHub that is
+a long wait and then a stack trace, so :func:`require_catalog` looks for the files
+first (without importing ``sky``) and says how to get them. The layout is
+SkyPilot's: ``$SKY_RUNTIME_DIR/.sky/catalogs/v8/<cloud>/vms.csv`` (``$SKY_RUNTIME_DIR``
+defaults to ``~``), plus ``common/accelerators.csv`` and ``common/metadata.csv``. A
+hand-placed file (no ``.meta`` md5 beside it) is used as is and never re-downloaded.
+
+``sky`` is imported inside the functions: it takes about 1.5 s and the CLI must
+start fast.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from orchestrator.domain.planner import Candidate
+
+CATALOG_SCHEMA_VERSION = "v8"  # sky.skylet.constants.CATALOG_SCHEMA_VERSION in 0.14
+
+#: Clouds whose catalog is a vms.csv table the planner can read offline.
+CATALOG_CLOUDS = ("aws", "gcp", "azure", "lambda", "runpod")
+
+COMMON_FILES = ("common/accelerators.csv", "common/metadata.csv")
+
+_MEMORY_FORM = re.compile(
+    r"^(?:(?P<maker>nvidia|amd|google):)?(?P<gb>[1-9][0-9]*)GB(?P<plus>\+?)(?::(?P<count>[1-9][0-9]*))?$",
+    re.IGNORECASE,
+)
+_NAME_FORM = re.compile(r"^(?P<name>[A-Za-z][A-Za-z0-9_.\-]*)(?::(?P<count>[1-9][0-9]*))?$")
+
+
+class CatalogUnavailable(RuntimeError):
+    """The catalog files planning needs are not on this machine."""
+
+
+class UnknownAccelerator(ValueError):
+    """An accelerator (or count) that no allowed cloud's catalog offers."""
+
+
+def catalog_root() -> Path:
+    """Where SkyPilot 0.14 reads its catalogs (``sky.catalog.common``)."""
+    runtime = os.path.expanduser(os.environ.get("SKY_RUNTIME_DIR", "~"))
+    return Path(runtime) / ".sky" / "catalogs" / CATALOG_SCHEMA_VERSION
+
+
+def clouds_with_catalogs(root: Path | None = None) -> list[str]:
+    root = root or catalog_root()
+    return [c for c in CATALOG_CLOUDS if (root / c / "vms.csv").is_file()]
+
+
+def require_catalog(clouds: Sequence[str] = ()) -> list[str]:
+    """The clouds to plan over; raises :class:`CatalogUnavailable` with a how-to.
+
+    ``clouds`` empty means every cloud that has a catalog here.
+    """
+    root = catalog_root()
+    how = (
+        f"SkyPilot reads its catalogs from {root}. Get them on a machine with internet "
+        "access by running `sky show-gpus --all` (it downloads the tables of every "
+        f"enabled cloud), or copy a {CATALOG_SCHEMA_VERSION}/ catalog directory there "
+        "(or point SKY_RUNTIME_DIR at a directory holding .sky/catalogs/"
+        f"{CATALOG_SCHEMA_VERSION}/); no cloud credentials are needed to plan"
+    )
+    missing_common = [f for f in COMMON_FILES if not (root / f).is_file()]
+    if missing_common:
+        raise CatalogUnavailable(f"no SkyPilot catalog: {', '.join(missing_common)} missing. {how}")
+    present = clouds_with_catalogs(root)
+    wanted = [c.lower() for c in clouds] or present
+    unknown = [c for c in wanted if c not in CATALOG_CLOUDS]
+    if unknown:
+        raise CatalogUnavailable(
+            f"cannot plan over {', '.join(unknown)}: it has no price catalog the planner "
+            f"reads (catalog clouds: {', '.join(CATALOG_CLOUDS)})"
+        )
+    lacking = [c for c in wanted if c not in present]
+    if lacking or not wanted:
+        what = ", ".join(f"{c}/vms.csv" for c in lacking) or "any <cloud>/vms.csv"
+        raise CatalogUnavailable(f"no SkyPilot catalog for {what}. {how}")
+    return wanted
+
+
+@dataclass(frozen=True)
+class AcceleratorRequest:
+    """One entry of a job's ``accelerators``: a name or a memory form, and a count."""
+
+    text: str
+    name: str | None
+    count: int
+    memory_gb: int | None = None
+    at_least: bool = False
+    manufacturer: str | None = None
+
+
+def parse_accelerator(text: str) -> AcceleratorRequest:
+    """``A100:8``, ``H100``, ``nvidia:40GB+:8``, ``80GB:8`` (SkyPilot's forms)."""
+    m = _MEMORY_FORM.match(text.strip())
+    if m:
+        return AcceleratorRequest(
+            text=text,
+            name=None,
+            count=int(m["count"] or 1),
+            memory_gb=int(m["gb"]),
+            at_least=bool(m["plus"]),
+            manufacturer=(m["maker"] or "").lower() or None,
+        )
+    m = _NAME_FORM.match(text.strip())
+    if not m:
+        raise UnknownAccelerator(
+            f"{text!r} is not an accelerator: use NAME[:COUNT] (A100:8) or a memory form "
+            "(nvidia:40GB+:8)"
+        )
+    return AcceleratorRequest(text=text, name=m["name"], count=int(m["count"] or 1))
+
+
+def _names_for(req: AcceleratorRequest) -> list[str]:
+    if req.name is not None:
+        return [req.name]
+    from sky.utils import accelerator_registry
+
+    assert req.memory_gb is not None
+    names: list[str] = accelerator_registry.get_devices_by_memory(
+        req.memory_gb, req.at_least, manufacturer=req.manufacturer
+    )
+    return names
+
+
+def _known_names(clouds: Sequence[str]) -> list[str]:
+    from sky import catalog
+
+    offered = catalog.list_accelerators(gpus_only=True, clouds=list(clouds))
+    return sorted(offered)
+
+
+def _memory_table() -> dict[str, float]:
+    """GPU -> memory (GB as SkyPilot's metadata.csv states it), for rows whose GpuInfo
+    SkyPilot could not parse (its GCP table, for one)."""
+    from sky.catalog import common
+
+    df: Any = common.read_catalog("common/metadata.csv")
+    return {str(g): float(m) for g, m in zip(df["GPU"], df["MemoryGB"], strict=True)}
+
+
+def _num(v: Any) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(f) else f
+
+
+def gather_candidates(
+    accelerators: Sequence[str],
+    *,
+    clouds: Sequence[str] = (),
+    regions: Sequence[str] = (),
+) -> list[Candidate]:
+    """Every (cloud, region, instance type) offering each requested accelerator.
+
+    ``preference`` on each row is the index of the request it came from. Raises
+    :class:`CatalogUnavailable` (nothing to read) or :class:`UnknownAccelerator`
+    (a request that no allowed cloud offers, naming what is offered).
+    """
+    use_clouds = require_catalog(clouds)
+    requests = [parse_accelerator(a) for a in accelerators]
+    if not requests:
+        raise UnknownAccelerator(
+            "the job names no accelerators; the planner ranks GPU offerings only "
+            "(CPU-only jobs run on the local launcher)"
+        )
+    from sky import catalog
+
+    memory = _memory_table()
+    out: list[Candidate] = []
+    for pref, req in enumerate(requests):
+        found: list[Candidate] = []
+        counts_offered: set[int] = set()
+        for name in _names_for(req):
+            rows = catalog.list_accelerators(
+                gpus_only=True,
+                name_filter=f"^{re.escape(name)}$",
+                clouds=use_clouds,
+                case_sensitive=False,
+                all_regions=True,
+            )
+            for acc_name, infos in rows.items():
+                for info in infos:
+                    count = int(info.accelerator_count)
+                    counts_offered.add(count)
+                    if count != req.count or not info.instance_type:
+                        continue
+                    if regions and not _region_allowed(regions, info.cloud, info.region):
+                        continue
+                    gpu_mem = _num(info.device_memory) or memory.get(acc_name)
+                    price = _num(info.price)
+                    if price is None:
+                        continue
+                    found.append(
+                        Candidate(
+                            cloud=str(info.cloud).lower(),
+                            region=str(info.region),
+                            instance_type=str(info.instance_type),
+                            accelerator=str(acc_name),
+                            accelerator_count=count,
+                            gpu_memory_gib=gpu_mem,
+                            price_per_node_hour=price,
+                            spot_price_per_node_hour=_num(info.spot_price),
+                            preference=pref,
+                        )
+                    )
+        if not found and not counts_offered:
+            what = (
+                f"no accelerator with {req.memory_gb}GB{'+' if req.at_least else ''}"
+                if req.name is None
+                else f"accelerator {req.name!r}"
+            )
+            raise UnknownAccelerator(
+                f"{req.text!r}: {what} is not offered by {', '.join(use_clouds)} in this "
+                f"catalog; offered: {', '.join(_known_names(use_clouds)) or 'none'}"
+            )
+        if not found and not regions:
+            raise UnknownAccelerator(
+                f"{req.text!r}: no instance type offers {req.count} of them on "
+                f"{', '.join(use_clouds)}; counts offered: "
+                f"{', '.join(str(c) for c in sorted(counts_offered))}"
+            )
+        out.extend(found)
+    # The same offering can answer several requests (A100-80GB and nvidia:40GB+):
+    # keep it once, under the job's earliest preference.
+    unique: dict[tuple[str, str, str], Candidate] = {}
+    for c in out:
+        unique.setdefault((c.cloud, c.region, c.instance_type), c)
+    return list(unique.values())
+
+
+def _region_allowed(regions: Sequence[str], cloud: str, region: str) -> bool:
+    for r in regions:
+        r = r.lower().replace(":", "/")
+        if "/" in r:
+            c, reg = r.split("/", 1)
+            if c == cloud.lower() and reg == region.lower():
+                return True
+        elif r == region.lower():
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class TaskDemand:
+    """What a plain SkyPilot task asks for, in the planner's terms."""
+
+    accelerators: tuple[str, ...]
+    clouds: tuple[str, ...]
+    regions: tuple[str, ...]
+    spot: bool
+    num_nodes: int
+
+
+def demand_from_task(task: Any) -> TaskDemand:
+    """Accelerators, clouds, regions, spot and nodes from a ``sky.Task``'s resources
+    (any_of and ordered alike: the planner ranks them all)."""
+    accels: list[str] = []
+    clouds: list[str] = []
+    regions: list[str] = []
+    spots: set[bool] = set()
+    any_cloud = any_region = False
+    for r in task.resources:
+        for name, count in (r.accelerators or {}).items():
+            entry = f"{name}:{int(count)}"
+            if entry not in accels:
+                accels.append(entry)
+        if r.cloud is None:
+            any_cloud = True
+        elif str(r.cloud).lower() not in clouds:
+            clouds.append(str(r.cloud).lower())
+        if r.region is None:
+            any_region = True
+        elif r.cloud is not None:
+            regions.append(f"{str(r.cloud).lower()}/{r.region}")
+        else:
+            regions.append(r.region)
+        spots.add(bool(r.use_spot))
+    return TaskDemand(
+        accelerators=tuple(accels),
+        clouds=() if any_cloud else tuple(clouds),
+        regions=() if any_region else tuple(regions),
+        spot=spots == {True},
+        num_nodes=int(task.num_nodes),
+    )
