@@ -347,6 +347,7 @@ class Agent:
     def _kill_everything(self) -> None:
         for r in self.ranks:
             if not r.exited:
+                r.killed_by_agent = True
                 rk.signal_rank(r, signal.SIGKILL)
         if self.torchrun is not None and self.torchrun.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -714,6 +715,7 @@ class Agent:
             exit_code=r.exit_code,
             signal=r.signal,
             log_tail=rk.rank_log_tail(r),
+            killed_by_agent=r.killed_by_agent,
         )
 
     def _torchrun_done(self) -> bool:
@@ -818,8 +820,6 @@ class Agent:
         for r in self.ranks:
             self._report_rank_exit(r)
         code, reason = node_outcome(self.ranks, self._stop_reason)
-        if self.superseded and code != EXIT_OK:
-            code, reason = EXIT_FAILED, f"superseded: {self.superseded}"
         last = self.board.last_checkpoint()
         self.state = "exited"
         self.report(

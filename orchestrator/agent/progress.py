@@ -150,5 +150,6 @@ class ProgressListener:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(2)
+        if self._thread.is_alive():
+            self._thread.join(2)
         self._sock.close()

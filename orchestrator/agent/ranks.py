@@ -58,6 +58,8 @@ class Rank:
     exited: bool = False
     status_known: bool = False
     reported: bool = False
+    killed_by_agent: bool = False
+    """SIGKILLed by the agent because it outlived the grace period after SIGTERM."""
     log_paths: list[Path] = field(default_factory=list)
 
 

@@ -196,6 +196,8 @@ class RankExitReport(_Report):
     log_tail: list[Annotated[str, Field(max_length=4096)]] = Field(
         default_factory=list, max_length=200
     )
+    killed_by_agent: bool = False
+    """The agent SIGKILLed it when the grace period after SIGTERM ran out."""
 
 
 class AnomalyReport(_Report):

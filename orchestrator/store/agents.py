@@ -27,7 +27,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from orchestrator.contract import ExitCode
-from orchestrator.domain.failures import FailureClass, classify_failure
+from orchestrator.domain.failures import Classification, FailureClass, classify_failure
 from orchestrator.domain.status import JobStatus
 from orchestrator.store import repo
 from orchestrator.store.models import Attempt, Checkpoint, FailureEvent, Node, NodeCommand
@@ -258,8 +258,23 @@ def _event_fields(kind: str, report: dict[str, Any]) -> dict[str, Any]:
             "rank": report.get("rank"),
             "message": f"rank {report.get('rank')} exited: {how}",
         }
-        if code not in CLEAN_EXIT_CODES or sig:
-            c = classify_failure(code, sig, "\n".join(report.get("log_tail") or []))
+        tail = "\n".join(report.get("log_tail") or [])
+        if report.get("killed_by_agent"):
+            # The SIGKILL was ours, not the kernel's: read the log alone, and without
+            # a better cause the rank failed to finish its emergency save in time.
+            out["message"] += " (SIGKILLed by the agent after the grace period)"
+            c = classify_failure(None, None, tail)
+            if c.failure_class is FailureClass.UNKNOWN:
+                c = Classification(
+                    FailureClass.CHECKPOINT_IO,
+                    True,
+                    0.5,
+                    ("did not exit within the grace period after SIGTERM",),
+                )
+            out["failure_class"] = c.failure_class.value
+            out["classification"] = c.to_json_dict()
+        elif code not in CLEAN_EXIT_CODES or sig:
+            c = classify_failure(code, sig, tail)
             out["failure_class"] = c.failure_class.value
             out["classification"] = c.to_json_dict()
         return out

@@ -1,0 +1,340 @@
+"""The agent's parts that need no service: flags, outcomes, /proc reading, the
+progress board, the control file. Processes and sockets here are real."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.agent import ranks as rk
+from orchestrator.agent.client import backoff_delays
+from orchestrator.agent.main import (
+    Agent,
+    UsageError,
+    json_safe,
+    node_outcome,
+    parse_args,
+    write_control_file,
+)
+from orchestrator.agent.progress import ProgressBoard, ProgressListener
+from orchestrator.contract import Env
+
+BASE = ["--job-id", "j", "--attempt", "1", "--node-id", "n0", "--local-dir", "/tmp/x"]
+
+
+def test_flags_and_command_after_the_double_dash():
+    cfg = parse_args(
+        [*BASE, "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "4", "--grace-s", "30",
+         "--launcher", "direct", "--", "python", "-m", "train", "--steps", "5"]
+    )  # fmt: skip
+    assert cfg.command == ("python", "-m", "train", "--steps", "5")
+    assert (cfg.nnodes, cfg.node_rank, cfg.nproc_per_node, cfg.world_size) == (2, 1, 4, 8)
+    assert cfg.grace_s == 30 and cfg.launcher == "direct" and cfg.service_url is None
+    assert cfg.log_dir == Path("/tmp/x/logs") and cfg.control_file == Path("/tmp/x/control.json")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--nnodes", "2", "--node-rank", "2", "--", "x"], "--node-rank must be in 0..1"),
+        (["--nproc-per-node", "0", "--", "x"], "--nproc-per-node must be >= 1"),
+        (["--grace-s", "0", "--", "x"], "--grace-s must be a positive number"),
+        (["--poll-s", "nan", "--", "x"], "--poll-s must be a positive number"),
+        (["--master-port", "70000", "--", "x"], "--master-port must be in 1..65535"),
+        (["--service-url", "localhost:8470", "--", "x"], "--service-url must start with http"),
+        ([], "no command"),
+    ],
+    ids=["node-rank", "nproc", "grace", "poll-nan", "port", "url", "no-command"],
+)
+def test_bad_flags_name_the_flag(extra, message):
+    with pytest.raises(UsageError, match=message):
+        parse_args([*BASE, *extra])
+
+
+def test_bad_flags_exit_2_with_one_clear_line():
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrator.agent", *BASE, "--nnodes", "0", "--", "x"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip() == "skyresume-agent: error: --nnodes must be >= 1, got 0"
+    env = {k: v for k, v in os.environ.items() if k != "SKYRESUME_AGENT_TOKEN"}
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrator.agent", *BASE, "--service-url", "http://127.0.0.1:1",
+         "--", "x"],
+        capture_output=True, text=True, timeout=30, env=env,
+    )  # fmt: skip
+    assert out.returncode == 2 and "SKYRESUME_AGENT_TOKEN is not set" in out.stderr
+
+
+def test_the_agent_imports_nothing_heavy():
+    code = (
+        "import sys, orchestrator.agent.main, orchestrator.cloud.metadata;"
+        "heavy = {'fastapi','sqlalchemy','pydantic','torch','httpx','psutil','yaml','starlette'};"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+def _rank(rank: int, code: int | None, sig: str | None = None) -> rk.Rank:
+    return rk.Rank(rank=rank, local_rank=rank, pid=1, exit_code=code, signal=sig, exited=True)
+
+
+@pytest.mark.parametrize(
+    ("ends", "stop", "want"),
+    [
+        ([(0, None), (0, None)], None, 0),
+        ([(75, None), (75, None)], "notice", 75),
+        ([(75, None), (0, None)], None, 75),  # a peer node's stop: they saved anyway
+        ([(75, None), (None, "SIGKILL")], "notice", 1),
+        ([(1, None), (75, None)], None, 1),
+        ([(None, None)], None, 1),
+        ([], "launch failed", 1),
+    ],
+    ids=["all-0", "saved", "peer-stop", "killed", "crash", "unknown", "none"],
+)
+def test_exit_code_mirrors_how_the_ranks_ended(ends, stop, want):
+    code, reason = node_outcome([_rank(i, c, s) for i, (c, s) in enumerate(ends)], stop)
+    assert code == want and reason
+
+
+def test_a_crash_names_the_rank_in_the_reason():
+    code, reason = node_outcome([_rank(0, 75), _rank(1, None, "SIGSEGV")], "rank 1 ended")
+    assert code == 1 and reason.startswith("rank 1 ended with signal SIGSEGV")
+
+
+def test_proc_stat_parsing_survives_odd_process_names():
+    fields = ["Z", "77", "88"] + ["0"] * 46 + ["256"]
+    st = rk.parse_proc_stat("123 (a) (b c) " + " ".join(fields))
+    assert st is not None and (st.ppid, st.pgid, st.state) == (77, 88, "Z")
+    assert rk.decode_wait_status(st.exit_status or 0) == (1, None)
+    assert rk.parse_proc_stat("garbage") is None
+
+
+def _zombie(proc: subprocess.Popen) -> rk.ProcStat:
+    for _ in range(400):
+        st = rk.read_proc_stat(proc.pid)
+        if st is not None and st.state == "Z":
+            return st
+        time.sleep(0.01)
+    raise AssertionError(f"pid {proc.pid} never became a zombie")
+
+
+def test_exit_status_is_read_from_a_zombie_before_its_parent_reaps_it():
+    exited = subprocess.Popen(["sh", "-c", "exit 3"])
+    killed = subprocess.Popen(["sleep", "30"])
+    killed.send_signal(signal.SIGKILL)
+    try:
+        assert rk.decode_wait_status(_zombie(exited).exit_status or 0) == (3, None)
+        assert rk.decode_wait_status(_zombie(killed).exit_status or 0) == (None, "SIGKILL")
+    finally:
+        exited.wait()
+        killed.wait()
+    assert rk.read_proc_stat(exited.pid) is None  # reaped: gone
+
+
+def test_ranks_are_found_among_a_launchers_children_by_their_environment(tmp_path):
+    # A stand-in for torchrun: a parent that starts two "ranks" (own sessions, RANK
+    # and LOCAL_RANK in their environment) and one helper without them.
+    code = (
+        "import os, subprocess, time\n"
+        "ps = [subprocess.Popen(['sleep', '30'], start_new_session=True,"
+        " env={**os.environ, 'RANK': str(4 + i), 'LOCAL_RANK': str(i)}) for i in range(2)]\n"
+        "ps.append(subprocess.Popen(['sleep', '30']))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert parent.stdout is not None and parent.stdout.readline().strip() == "ready"
+        found = rk.discover_ranks(parent.pid)
+        assert [(r.rank, r.local_rank, r.own_group) for r in found] == [(4, 0, True), (5, 1, True)]
+        for r in found:
+            assert rk.read_proc_stat(r.pid).ppid == parent.pid  # type: ignore[union-attr]
+            rk.signal_rank(r, signal.SIGTERM)
+        for r in found:
+            for _ in range(300):
+                if rk.poll_rank(r):
+                    break
+                time.sleep(0.01)
+            assert r.exited
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
+
+
+TORCHRUN_SUMMARY = """\
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+rank_script.py FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-01_03:40:01
+  host      : box
+  rank      : 3 (local_rank: 1)
+  exitcode  : -15 (pid: 4242)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 4242
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_03:40:00
+  host      : box
+  rank      : 2 (local_rank: 0)
+  exitcode  : 75 (pid: 4241)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+
+
+def test_torchrun_failure_summary_gives_every_failed_ranks_status():
+    got = rk.parse_torchrun_failures(TORCHRUN_SUMMARY)
+    assert got == {1: (-15, 4242), 0: (75, 4241)}
+    assert rk.from_returncode(-15) == (None, "SIGTERM")
+
+
+def test_log_tail_is_the_last_lines(tmp_path):
+    p = tmp_path / "rank_0.log"
+    p.write_text("".join(f"line {i}\n" for i in range(500)))
+    tail = rk.tail_lines(p, 50)
+    assert len(tail) == 50 and tail[0] == "line 450" and tail[-1] == "line 499"
+    assert rk.tail_lines(tmp_path / "missing.log") == []
+
+
+def test_progress_board_aggregates_and_drops_garbage():
+    events = []
+    board = ProgressBoard(on_event=events.append)
+    assert board.ingest(b"not json") is None
+    assert board.ingest(json.dumps({"type": "gossip", "rank": 0}).encode()) is None
+    assert board.ingest(json.dumps({"type": "progress", "rank": -1}).encode()) is None
+    board.ingest(b'{"type": "progress", "rank": 1, "step": 9, "loss": NaN, "step_time": 0.1}')
+    board.ingest(
+        json.dumps({"type": "resumed", "rank": 1, "step": 5, "manifest_digest": "d"}).encode()
+    )
+    board.ingest(json.dumps({"type": "checkpoint", "rank": 0, "step": 10, "path": "/a"}).encode())
+    board.ingest(json.dumps({"type": "checkpoint", "rank": 1, "step": 20, "path": "/b"}).encode())
+    assert board.dropped == 3
+    p = board.snapshot(1)
+    assert (p.step, p.loss, p.step_time) == (9, None, 0.1)
+    assert p.resumed == {"step": 5, "manifest_digest": "d"}
+    assert board.last_checkpoint() == {"step": 20, "path": "/b", "uploaded_uri": None}
+    assert [e["step"] for e in events] == [10, 20]
+
+
+def test_datagrams_from_the_training_librarys_reporter_reach_the_listener():
+    from training.progress import ProgressReporter
+
+    board = ProgressBoard()
+    listener = ProgressListener(board).start()
+    try:
+        rep = ProgressReporter(listener.addr, rank=3)
+        rep.progress(step=4, step_time=0.5, loss=2.0, grad_norm=1.0, samples_per_s=8.0)
+        for _ in range(200):
+            if board.snapshot(3).step == 4:
+                break
+            time.sleep(0.01)
+        assert board.snapshot(3).loss == 2.0
+    finally:
+        listener.stop()
+
+
+def test_control_file_is_merged_and_replaced_atomically(tmp_path):
+    path = tmp_path / "node" / "control.json"
+    write_control_file(path, {"checkpoint_every": 50, "other": 1})
+    write_control_file(path, {"checkpoint_every": 20})
+    assert json.loads(path.read_text()) == {"checkpoint_every": 20, "other": 1}
+    assert [p.name for p in path.parent.iterdir()] == ["control.json"]  # no temp left
+
+
+def _agent(tmp_path: Path) -> Agent:
+    cfg = parse_args(["--job-id", "j", "--attempt", "3", "--node-id", "n1",
+                      "--local-dir", str(tmp_path), "--", "python", "x.py"])  # fmt: skip
+    return Agent(cfg, token="tok", environ={"PATH": "/bin", "SKYRESUME_AGENT_TOKEN": "tok"})
+
+
+def test_set_checkpoint_every_writes_the_control_file_and_refuses_nonsense(tmp_path):
+    agent = _agent(tmp_path)
+    try:
+        agent.handle_command({"seq": 1, "type": "set_checkpoint_every", "args": {"every_steps": 0}})
+        assert not agent.cfg.control_file.exists()
+        agent.handle_command({"seq": 2, "type": "set_checkpoint_every", "args": {"every_steps": 7}})
+        assert json.loads(agent.cfg.control_file.read_text()) == {"checkpoint_every": 7}
+    finally:
+        agent.listener.stop()
+
+
+def test_rank_env_carries_the_run_context_but_not_the_agent_token(tmp_path):
+    agent = _agent(tmp_path)
+    try:
+        env = agent.rank_env()
+        addr = agent.listener.addr
+    finally:
+        agent.listener.stop()
+    assert "SKYRESUME_AGENT_TOKEN" not in env
+    assert env[Env.NODE_ID] == "n1" and env[Env.ATTEMPT] == "3" and env[Env.JOB_TOKEN] == "tok"
+    assert env[Env.PROGRESS_ADDR] == addr and addr.startswith("127.0.0.1:")
+    assert env[Env.CONTROL_FILE] == str(tmp_path / "control.json")
+    assert env[Env.LOCAL_CHECKPOINT_DIR] == str(tmp_path / "checkpoints")
+    assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "90"
+
+
+def test_json_safe_and_backoff():
+    assert json_safe({"a": float("nan"), "b": [1, float("inf")], "c": (2,)}) == {
+        "a": None,
+        "b": [1, None],
+        "c": [2],
+    }
+    delays = backoff_delays(base=0.1, cap=1.0, jitter=0.0)
+    assert [round(next(delays), 3) for _ in range(6)] == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+
+
+def test_torchrun_is_told_never_to_restart_and_to_log_per_rank():
+    argv = rk.torchrun_argv(
+        ["python", "t.py"],
+        nnodes=2,
+        node_rank=1,
+        nproc=4,
+        master_addr="10.0.0.1",
+        master_port=29600,
+        log_dir=Path("/l"),
+    )
+    assert "--max-restarts=0" in argv and "--redirects=3" in argv and "--log-dir=/l" in argv
+    assert argv[-2:] == [sys.executable, "t.py"]  # python -> this interpreter
+
+
+def test_agent_sigterm_without_a_service_stops_ranks_and_exits_75(tmp_path):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = {**os.environ, "AGENT_TEST_MARKS": str(marks)}
+    script = Path(__file__).with_name("rank_script.py")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.agent", "--job-id", "j", "--attempt", "1",
+         "--node-id", "n0", "--nproc-per-node", "3", "--launcher", "direct",
+         "--local-dir", str(tmp_path / "node"), "--", "python", str(script)],
+        env=env, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    logs = tmp_path / "node" / "logs"
+    paths = [logs / f"rank_{i}.log" for i in range(3)]
+    for _ in range(500):
+        if all(p.exists() and "up" in p.read_text() for p in paths):
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 75, err
+    assert sorted(p.name for p in marks.iterdir()) == ["sigterm_0", "sigterm_1", "sigterm_2"]
+    assert "ranks saved and stopped (agent received SIGTERM)" in err
