@@ -16,6 +16,7 @@ from sqlalchemy import Engine, func, select, text
 from orchestrator import __version__
 from orchestrator.api import routes_agents, routes_goodput, routes_jobs, routes_recovery
 from orchestrator.api.auth import ensure_local_token
+from orchestrator.dashboard import routes as dashboard
 from orchestrator.domain.status import JobStatus
 from orchestrator.settings import Settings
 from orchestrator.store.db import make_engine, make_sessionmaker
@@ -99,6 +100,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
 
     app.include_router(routes_jobs.router)
     app.include_router(routes_goodput.router)
+    app.include_router(dashboard.router)
     app.include_router(routes_agents.router)
     app.include_router(routes_recovery.router)
     return app

@@ -1,0 +1,338 @@
+"""The dashboard's pages, mounted on the service at ``/dashboard``.
+
+Server-rendered HTML (Jinja2, autoescaped) with inline SVG charts and one CSS file:
+no JavaScript and nothing fetched from another origin, so it works on an air-gapped
+cluster and its Content-Security-Policy can forbid scripts outright.
+
+Pages (all but the login and the stylesheet need the session cookie; without it they
+answer 303 to the login form, which comes back to the page asked for):
+
+* ``/dashboard/`` jobs with status, restarts, incidents and effective training time;
+* ``/dashboard/jobs/{id}`` one job: its wall-time split, a timeline of attempts and
+  incidents, each incident's MTTR by protocol step (stacked bars), steps lost and
+  cost, and every failure event;
+* ``/dashboard/fleet`` incidents of every job by class and by region / instance type
+  over time.
+
+Reads only; the figures come from :mod:`orchestrator.store.goodput`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import parse_qs, quote
+
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
+from sqlalchemy import func, select
+
+from orchestrator.api.deps import SessionDep
+from orchestrator.dashboard import auth, charts
+from orchestrator.domain.failures import FailureClass
+from orchestrator.domain.status import JobStatus
+from orchestrator.store import repo
+from orchestrator.store.goodput import JobGoodput, fleet_incidents, job_goodput
+from orchestrator.store.models import FailureEvent, ProtocolStep
+
+_HERE = Path(__file__).resolve().parent
+_env = Environment(
+    loader=FileSystemLoader(_HERE / "templates"),
+    autoescape=select_autoescape(["html"]),
+    undefined=StrictUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+_env.filters["duration"] = charts.format_duration
+_env.filters["pct"] = lambda x: "-" if x is None else f"{x:.1%}"
+_env.filters["usd"] = lambda x: "unpriced" if x is None else f"${x:,.2f}"
+_env.filters["dt"] = lambda d: "-" if d is None else _utc(d).strftime("%Y-%m-%d %H:%M:%S")
+_env.globals["class_colour"] = charts.class_colour
+
+#: No scripts at all; styles only from our own stylesheet; forms post only here.
+_CSP = (
+    "default-src 'none'; style-src 'self'; img-src 'self' data:; form-action 'self'; "
+    "frame-ancestors 'none'; base-uri 'none'"
+)
+_HEADERS = {
+    "Content-Security-Policy": _CSP,
+    "Cache-Control": "no-store",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+_MAX_FORM_BYTES = 8192
+
+#: Colours of the wall-time split.
+_SPLIT_COLOURS = {
+    "productive": "#59a14f",
+    "failure (restart protocol)": "#e15759",
+    "lost work (steps redone)": "#f28e2b",
+    "checkpoint blocking": "#76b7b2",
+    "idle (no attempt up)": "#bab0ac",
+}
+
+
+def _utc(d: datetime) -> datetime:
+    return d if d.tzinfo else d.replace(tzinfo=UTC)
+
+
+def _render(name: str, status_code: int = 200, **ctx: Any) -> HTMLResponse:
+    html = _env.get_template(name).render(**ctx)
+    return HTMLResponse(html, status_code=status_code, headers=_HEADERS)
+
+
+def require_login(request: Request) -> None:
+    if not auth.is_logged_in(request):
+        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        raise HTTPException(
+            303,
+            "login required",
+            headers={"Location": f"/dashboard/login?next={quote(target, safe='')}"},
+        )
+
+
+LoginDep = Depends(require_login)
+public = APIRouter(prefix="/dashboard", include_in_schema=False)
+pages = APIRouter(prefix="/dashboard", include_in_schema=False, dependencies=[LoginDep])
+
+
+@public.get("/static/dashboard.css")
+def stylesheet() -> Response:
+    css = (_HERE / "static" / "dashboard.css").read_text()
+    return Response(css, media_type="text/css", headers={"Cache-Control": "max-age=3600"})
+
+
+@public.get("/login", response_class=HTMLResponse)
+def login_form(request: Request, next: str | None = None) -> Response:
+    if auth.is_logged_in(request):
+        return RedirectResponse(auth.safe_next(next), 303)
+    return _render("login.html", next=auth.safe_next(next), error=None)
+
+
+@public.post("/login", response_class=HTMLResponse)
+async def login(request: Request) -> Response:
+    body = await request.body()
+    if len(body) > _MAX_FORM_BYTES:
+        return _render("login.html", 413, next="/dashboard/", error="the form is too large")
+    form = parse_qs(body.decode("utf-8", errors="replace"), keep_blank_values=True)
+    token = (form.get("token") or [""])[0]
+    target = auth.safe_next((form.get("next") or [""])[0])
+    if not token.strip():
+        return _render("login.html", 400, next=target, error="enter the operator token")
+    if not auth.token_is_right(request, token):
+        return _render("login.html", 401, next=target, error="that token is not the operator token")
+    response = RedirectResponse(target, 303)
+    auth.set_session(request, response)
+    return response
+
+
+@pages.post("/logout")
+def logout(request: Request) -> Response:
+    response = RedirectResponse("/dashboard/login", 303)
+    auth.clear_session(request, response)
+    return response
+
+
+@pages.get("/", response_class=HTMLResponse)
+def jobs_page(
+    session: SessionDep,
+    status: Annotated[str | None, Query()] = None,
+    offset: Annotated[int, Query(ge=0)] = 0,
+) -> Response:
+    chosen: JobStatus | None = None
+    if status:
+        try:
+            chosen = JobStatus(status.upper())
+        except ValueError:
+            return _render(
+                "error.html",
+                400,
+                title="unknown status",
+                message=f"unknown status {status!r}; one of {', '.join(JobStatus)}",
+            )
+    limit = 50
+    page = repo.list_jobs(session, status=chosen, limit=limit, offset=offset)
+    ids = [j.id for j in page.items]
+    counts = dict(
+        session.execute(
+            select(ProtocolStep.job_id, func.count(func.distinct(ProtocolStep.incident_id)))
+            .where(ProtocolStep.job_id.in_(ids or [""]))
+            .group_by(ProtocolStep.job_id)
+        ).all()
+    )
+    now = datetime.now(UTC)
+    rows = []
+    for j in page.items:
+        report = job_goodput(session, j.id, now=now)
+        rows.append(
+            {
+                "job": j,
+                "nodes": (j.spec or {}).get("num_nodes", ""),
+                "incidents": counts.get(j.id, 0),
+                "effective": report.effective_training_fraction,
+                "lost_usd": report.lost_usd,
+            }
+        )
+    return _render(
+        "jobs.html",
+        rows=rows,
+        total=page.total,
+        offset=offset,
+        limit=limit,
+        status=chosen.value if chosen else "",
+        statuses=[s.value for s in JobStatus],
+        nav="jobs",
+    )
+
+
+def _job_charts(report: JobGoodput) -> dict[str, Any]:
+    split = charts.split_bar(
+        [
+            (label, seconds, _SPLIT_COLOURS[label])
+            for label, seconds in (
+                ("productive", report.productive_seconds),
+                ("failure (restart protocol)", report.failure_seconds),
+                ("lost work (steps redone)", report.lost_work_seconds),
+                ("checkpoint blocking", report.checkpoint_seconds),
+                ("idle (no attempt up)", report.idle_seconds),
+            )
+        ]
+    )
+    attempts = []
+    for a in report.attempts:
+        end = a.ended_at or report.ended_at
+        up = charts.format_duration((end - a.started_at).total_seconds())
+        attempts.append(
+            charts.Span(
+                a.started_at,
+                end,
+                f"#{a.number} {a.cloud}",
+                "#4e79a7" if a.ended_at else "#2f5d8a",
+                f"attempt {a.number}: {a.cloud} {a.region} {a.num_nodes} x {a.instance_type}, "
+                f"up {up}" + (f", ended: {a.end_reason}" if a.end_reason else ", running"),
+            )
+        )
+    incidents = [
+        charts.Span(
+            i.started_at,
+            i.started_at + timedelta(seconds=i.mttr_seconds),
+            i.failure_class,
+            charts.class_colour(i.failure_class),
+            f"incident {i.id}: {i.failure_class}, MTTR {charts.format_duration(i.mttr_seconds)}",
+        )
+        for i in report.incidents
+    ]
+    timeline = charts.timeline(attempts, incidents, report.started_at, report.ended_at)
+    mttr = charts.mttr_chart(
+        [
+            charts.MttrRow(f"#{i.id} {i.failure_class}", i.mttr_seconds, i.step_seconds, i.ongoing)
+            for i in report.incidents
+        ]
+    )
+    return {"split": split, "timeline": timeline, "mttr": mttr if report.incidents else None}
+
+
+@pages.get("/jobs/{job_id}", response_class=HTMLResponse)
+def job_page(job_id: str, session: SessionDep) -> Response:
+    try:
+        job = repo.get_job(session, job_id)
+    except repo.NotFound as e:
+        return _render("error.html", 404, title="job not found", message=str(e))
+    report = job_goodput(session, job_id)
+    events = list(
+        session.scalars(
+            select(FailureEvent)
+            .where(FailureEvent.job_id == job_id)
+            .order_by(FailureEvent.occurred_at, FailureEvent.id)
+            .limit(2000)
+        )
+    )
+    return _render(
+        "job.html",
+        job=job,
+        spec=job.spec or {},
+        transitions=repo.list_transitions(session, job_id),
+        report=report,
+        events=events,
+        step_colours=charts.STEP_COLOURS,
+        nav="jobs",
+        **_job_charts(report),
+    )
+
+
+@pages.get("/fleet", response_class=HTMLResponse)
+def fleet_page(session: SessionDep, days: Annotated[int, Query(ge=1, le=3650)] = 30) -> Response:
+    now = datetime.now(UTC)
+    since = (now - timedelta(days=days)).replace(hour=0, minute=0, second=0, microsecond=0)
+    rows = fleet_incidents(session, since=since)
+    width = timedelta(days=1 if days <= 62 else 7)
+    n = int((now - since) / width) + 1
+    buckets = [since + k * width for k in range(n)]
+
+    def bucket(d: datetime) -> int:
+        return min(int((d - since) / width), n - 1)
+
+    by_class: dict[str, list[int]] = {}
+    present = {r.failure_class for r in rows}
+    for c in [str(c) for c in FailureClass if str(c) in present] + sorted(
+        present - {str(c) for c in FailureClass}
+    ):
+        by_class[c] = [0] * n
+    for r in rows:
+        by_class[r.failure_class][bucket(r.occurred_at)] += 1
+
+    def place(r: Any) -> str:
+        if r.region is None:
+            return "unplaced"
+        return f"{r.cloud} {r.region} {r.instance_type}"
+
+    totals = Counter(place(r) for r in rows)
+    top = [p for p, _ in totals.most_common(8)]
+    by_place: dict[str, list[int]] = {p: [0] * n for p in top}
+    if len(totals) > len(top):
+        by_place["other"] = [0] * n
+    for r in rows:
+        p = place(r)
+        by_place[p if p in top else "other"][bucket(r.occurred_at)] += 1
+
+    per_place: dict[str, Counter[str]] = defaultdict(Counter)
+    for r in rows:
+        per_place[place(r)][r.failure_class] += 1
+    label = "day" if width.days == 1 else "week"
+    class_chart = charts.stacked_columns(
+        buckets,
+        by_class,
+        {c: charts.class_colour(c) for c in by_class},
+        label,
+        "fleet-classes",
+        "incidents by class over time",
+    )
+    place_chart = charts.stacked_columns(
+        buckets,
+        by_place,
+        charts.series_colours(list(by_place)),
+        label,
+        "fleet-places",
+        "incidents by region and instance type over time",
+    )
+    return _render(
+        "fleet.html",
+        days=days,
+        since=since,
+        total=len(rows),
+        jobs=len({r.job_id for r in rows}),
+        class_chart=class_chart,
+        place_chart=place_chart,
+        class_totals=Counter(r.failure_class for r in rows).most_common(),
+        place_totals=[(p, c, per_place[p].most_common()) for p, c in totals.most_common()],
+        bucket=label,
+        nav="fleet",
+    )
+
+
+router = APIRouter()
+router.include_router(public)
+router.include_router(pages)
