@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -260,16 +263,67 @@ def load_distributed(state_dict: dict, step_dir: Path, *, process_group=None) ->
     return manifest
 
 
+def prune_remote(uri: str, keep: int) -> list[str]:
+    """Keep the newest ``keep`` complete checkpoints under ``uri`` (any ObjectStore);
+    delete older complete ones and partial ones older than the oldest one kept.
+
+    Never touches the newest complete checkpoint (keep >= 2) nor anything newer than
+    it: a partial step newer than that may be an upload in flight (ours, or an agent
+    uploading a node's local tier after its ranks exited). A deleted checkpoint loses
+    its COMMIT first, so a reader that lists it meanwhile sees it partial, and
+    staging moves on to the next-newest when an object vanishes mid-download.
+    Returns the step keys deleted.
+    """
+    from orchestrator.cloud.storage import list_checkpoints, store_for_uri
+
+    if keep < 2:
+        raise ValueError("keep at least 2 complete checkpoints")
+    found = list_checkpoints(uri)  # oldest first
+    complete = [c for c in found if c.complete]
+    if len(complete) <= keep:
+        return []
+    oldest_kept = complete[-keep].step
+    doomed = [c for c in found if c.step < oldest_kept]
+    store, _prefix = store_for_uri(uri)
+    for c in doomed:
+        keys = [o.key for o in store.list(c.key + "/")]
+        first = [k for k in keys if k.endswith("/" + COMMIT_NAME)]
+        second = [k for k in keys if k.endswith("/" + MANIFEST_NAME)]
+        for k in first + second + [k for k in keys if k not in first and k not in second]:
+            store.delete(k)
+    return [c.key for c in doomed]
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A save that is complete locally (and, if ``uploaded_uri``, durably)."""
+
+    step: int
+    path: Path
+    """The committed local step directory."""
+    uploaded_uri: str | None
+    """The step directory's URI in the checkpoint store once it is complete there
+    (uploaded, or written there directly); None when the upload failed."""
+    world_size: int
+
+
 class Checkpointer:
     """Periodic saves, sync or async, never more than one in flight.
 
     Async: ``torch.distributed.checkpoint.async_save`` blocks only while the state is
-    copied to CPU memory; the write runs in the background on a process group of
-    its own (on the default group gloo aborts every rank when a background
-    collective overlaps the training ones). A save is finalized (shards gathered,
-    manifest and COMMIT written, old ones pruned) before the next one starts, at
-    ``wait()``, or at ``close()`` — every rank calls these at the same step, so the
-    collectives inside line up.
+    copied to CPU memory. Everything after that (DCP's write, each rank hashing its
+    shards, rank 0 writing manifest.json and COMMIT, the upload, pruning) runs on
+    one background thread per save, on a gloo process group of its own: on the
+    default group, gloo aborts every rank when a background collective overlaps a
+    training one. Each rank's thread issues the same collectives in the same order,
+    so they line up without the training loop's help. ``save()`` (the next one),
+    ``wait()`` and ``close()`` join the thread first; every rank calls them at the
+    same step.
+
+    ``on_commit`` is called on every rank, from that thread for async saves, once a
+    save is committed and its upload (if any) finished or failed. An upload failure
+    does not stop training: the local copy is complete, the failure is printed, and
+    ``Committed.uploaded_uri`` is None.
     """
 
     def __init__(
@@ -280,35 +334,55 @@ class Checkpointer:
         use_async: bool = True,
         extra: dict | None = None,
         upload_uri: str | None = None,
+        durable_uri: str | None = None,
+        on_commit: Callable[[Committed], None] | None = None,
     ) -> None:
         """``root`` is the fast local tier. With ``upload_uri`` (file://, s3://,
-        gs://), every committed save is then copied there, COMMIT last."""
+        gs://), every committed save is then copied there, COMMIT last, and old
+        ones are pruned there too. ``durable_uri`` names ``root`` itself when it is
+        already the durable store (a file:// checkpoint URI used directly)."""
         import torch.distributed as dist
 
+        if keep < 2:
+            raise ValueError("keep at least 2 complete checkpoints")
         self.root = Path(root)
         self.upload_uri = upload_uri
+        self.durable_uri = durable_uri
         self.keep = keep
         self.use_async = use_async
         self.extra = dict(extra or {})
+        self.on_commit = on_commit
         self._distributed = dist.is_available() and dist.is_initialized()
         self._rank = dist.get_rank() if self._distributed else 0
         self._world = dist.get_world_size() if self._distributed else 1
         self._group = dist.new_group(backend="gloo") if (use_async and self._distributed) else None
         # What collectives use: the async group, or none at all outside torchrun.
         self._coll_group = self._group if self._distributed else _NO_GROUP
-        self._pending: tuple[int, object] | None = None
+        self._local_rank = int(os.environ.get("LOCAL_RANK", self._rank))
+        self._committed: list[int] = []
+        self._thread: threading.Thread | None = None
+        self._thread_step: int | None = None
+        self._thread_error: BaseException | None = None
         self.last_blocking_s: float | None = None
+        self.last_committed: Committed | None = None
 
-    def save(self, state_dict: dict, step: int) -> None:
+    @property
+    def in_flight(self) -> int | None:
+        """The step of the save not yet committed, if any."""
+        return self._thread_step if self._thread is not None else None
+
+    def save(self, state_dict: dict, step: int, *, extra: dict | None = None) -> None:
+        """Start (async) or do (sync) a save of ``state_dict`` as ``step_<step>``.
+        ``extra`` adds to the manifest's free-form fields for this save only."""
         import time
 
         self.wait()
+        extra = {**self.extra, **(extra or {})}
         t0 = time.perf_counter()
-        if not self.use_async:
-            save_distributed(state_dict, self.root, step, extra=self.extra)
+        if not self.use_async or (self._group is None and self._distributed):
+            save_distributed(state_dict, self.root, step, extra=extra)
             self.last_blocking_s = time.perf_counter() - t0
-            self._upload(step)
-            self._prune()
+            self._after_commit(step)
             return
         import torch.distributed.checkpoint as dcp
 
@@ -321,75 +395,123 @@ class Checkpointer:
             no_dist=not self._distributed,
         )
         self.last_blocking_s = time.perf_counter() - t0
-        self._pending = (step, future)
+        self._thread_error = None
+        self._thread_step = step
+        self._thread = threading.Thread(
+            target=self._finish_async,
+            args=(step, future, extra),
+            name=f"skyresume-ckpt-{step}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _finish_async(self, step: int, future: object, extra: dict) -> None:
+        try:
+            future.result()  # type: ignore[attr-defined]
+            _gather_and_commit(
+                step_path(self.root, step), step, self._rank, self._world, self._coll_group, extra
+            )
+            self._after_commit(step)
+        except BaseException as e:  # re-raised on the training thread by wait()
+            self._thread_error = e
+
+    def _after_commit(self, step: int) -> None:
+        uploaded = self._upload(step)
+        self._prune_local(step)
+        self.last_committed = Committed(step, step_path(self.root, step), uploaded, self._world)
+        if self.on_commit is not None:
+            self.on_commit(self.last_committed)
+
+    def _prune_local(self, step: int) -> None:
+        """Each rank deletes its own shards of saves older than the newest ``keep``
+        this run committed (on a node without rank 0, no local directory ever gets
+        a COMMIT, so ``prune`` alone would never free it); one rank per node then
+        prunes whole directories by their COMMIT markers."""
+        self._committed.append(step)
+        for old in self._committed[: -self.keep]:
+            d = step_path(self.root, old)
+            for p in d.glob(f"__{self._rank}_*.distcp"):
+                p.unlink(missing_ok=True)
+        del self._committed[: -self.keep]
+        if self._local_rank == 0:
+            prune(self.root, self.keep)
 
     def wait(self) -> int | None:
-        """Finish the save in flight, if any; returns its step once committed."""
-        if self._pending is None:
+        """Finish the save in flight, if any; returns its step once committed.
+        Raises what the background save raised (the save is then not committed)."""
+        if self._thread is None:
             return None
-
-        step, future = self._pending
-        self._pending = None
-        future.result()  # type: ignore[attr-defined]
-        _gather_and_commit(
-            step_path(self.root, step),
-            step,
-            self._rank,
-            self._world,
-            self._coll_group,
-            self.extra,
-        )
-        self._upload(step)
-        self._prune()
+        self._thread.join()
+        step, error = self._thread_step, self._thread_error
+        self._thread = self._thread_step = self._thread_error = None
+        if error is not None:
+            raise CheckpointError(f"save of step {step} failed: {error}") from error
         return step
 
-    def _upload(self, step: int) -> None:
+    def _upload(self, step: int) -> str | None:
         """Copy a committed local save to ``upload_uri``: each rank its own shards
         (nodes share no disk), then rank 0 checks the listing against the manifest
-        and writes manifest.json and, last, COMMIT. Any failure raises before
-        COMMIT, so the remote copy is never taken for complete when it is not."""
+        and writes manifest.json and, last, COMMIT, then prunes old remote ones.
+        Any failure stops before COMMIT, so the remote copy is never taken for
+        complete when it is not. Returns the remote step URI, or None if it failed
+        (on every rank: the outcome is shared)."""
         if not self.upload_uri:
-            return
+            if self.durable_uri:
+                return f"{self.durable_uri.rstrip('/')}/{step_dir_name(step)}"
+            return None
         import torch.distributed as dist
 
         from orchestrator.cloud.storage import StorageError, store_for_uri
 
-        store, prefix = store_for_uri(self.upload_uri)
         step_dir = step_path(self.root, step)
-        key = "/".join(p for p in (prefix, step_dir.name) if p)
-        names = [p.name for p in step_dir.glob(f"__{self._rank}_*.distcp")]
-        if self._rank == 0:
-            names.append(".metadata")
         failed = ""
         try:
+            store, prefix = store_for_uri(self.upload_uri)
+            key = "/".join(p for p in (prefix, step_dir.name) if p)
+            names = [p.name for p in step_dir.glob(f"__{self._rank}_*.distcp")]
+            if self._rank == 0:
+                names.append(".metadata")
             for name in names:
                 store.put_file(str(step_dir / name), f"{key}/{name}")
-        except StorageError as e:
-            failed = str(e)
+        except (StorageError, OSError) as e:
+            failed = f"rank {self._rank}: {e}"
         if self._distributed:
             errors: list[str | None] = [None] * self._world
-            dist.all_gather_object(errors, failed, group=self._group)
+            dist.all_gather_object(errors, failed, group=self._coll_group_or_none())
             failed = "; ".join(e for e in errors if e)
-        if failed:
-            raise CheckpointError(f"upload of step {step} to {self.upload_uri} failed: {failed}")
-        if self._rank == 0:
-            manifest_bytes = (step_dir / MANIFEST_NAME).read_bytes()
-            manifest = Manifest.from_json(manifest_bytes)
-            listed = {o.key.rsplit("/", 1)[-1]: o.size for o in store.list(key + "/")}
-            for f in manifest.files:
-                if listed.get(f.path) != f.size:
-                    raise CheckpointError(
-                        f"{self.upload_uri}/{step_dir.name}/{f.path}: not uploaded at "
-                        f"{f.size} bytes (found {listed.get(f.path)})"
-                    )
-            store.put_bytes(f"{key}/{MANIFEST_NAME}", manifest_bytes)
-            store.put_bytes(f"{key}/{COMMIT_NAME}", (step_dir / COMMIT_NAME).read_bytes())
+        if not failed and self._rank == 0:
+            try:
+                self._publish(store, key, step_dir)
+            except (StorageError, CheckpointError, OSError) as e:
+                failed = str(e)
         if self._distributed:
-            dist.barrier(self._group)
+            outcome: list[str | None] = [failed if self._rank == 0 else None]
+            dist.broadcast_object_list(outcome, src=0, group=self._coll_group_or_none())
+            failed = outcome[0] or ""
+        target = f"{self.upload_uri.rstrip('/')}/{step_dir.name}"
+        if failed:
+            print(f"rank {self._rank}: upload of {target} failed: {failed}", file=sys.stderr)
+            return None
+        return target
 
-    def _prune(self) -> None:
-        if self._rank == 0:
-            prune(self.root, self.keep)
+    def _coll_group_or_none(self):
+        return None if self._coll_group is _NO_GROUP else self._coll_group
+
+    def _publish(self, store, key: str, step_dir: Path) -> None:
+        manifest_bytes = (step_dir / MANIFEST_NAME).read_bytes()
+        manifest = Manifest.from_json(manifest_bytes)
+        listed = {o.key.rsplit("/", 1)[-1]: o.size for o in store.list(key + "/")}
+        for f in manifest.files:
+            if listed.get(f.path) != f.size:
+                raise CheckpointError(
+                    f"{self.upload_uri}/{step_dir.name}/{f.path}: not uploaded at "
+                    f"{f.size} bytes (found {listed.get(f.path)})"
+                )
+        store.put_bytes(f"{key}/{MANIFEST_NAME}", manifest_bytes)
+        store.put_bytes(f"{key}/{COMMIT_NAME}", (step_dir / COMMIT_NAME).read_bytes())
+        assert self.upload_uri is not None
+        for gone in prune_remote(self.upload_uri, self.keep):
+            print(f"pruned {gone} from {self.upload_uri}", file=sys.stderr)
 
     def close(self) -> None:
         self.wait()

@@ -94,3 +94,26 @@ def check_reference(
         loss_now,
         f"reference loss {loss_now!r} vs {loss_before!r} for identical weights",
     )
+
+
+def detect_reference_divergence(
+    step: int, losses: list[float], *, rtol: float = 1e-6
+) -> Finding | None:
+    """Every rank ran the same forward pass on the same weights and batch (DDP and
+    FSDP keep the replicas identical), so every rank must get the same loss. A rank
+    away from the median of all ranks (or any non-finite loss) is silent corruption
+    in its memory or arithmetic. With two ranks there is no majority: both are named."""
+    med = statistics.median(losses)
+    tol = rtol * max(1.0, abs(med)) if math.isfinite(med) else 0.0
+    bad = [r for r, v in enumerate(losses) if not math.isfinite(v) or abs(v - med) > tol]
+    if not bad:
+        return None
+    if len(bad) * 2 >= len(losses):  # no majority agrees: everyone is suspect
+        bad = list(range(len(losses)))
+    shown = ", ".join(f"rank {r}: {losses[r]!r}" for r in bad)
+    return Finding(
+        "reference_drift",
+        step,
+        max(abs(losses[r] - med) if math.isfinite(losses[r]) else math.inf for r in bad),
+        f"reference loss differs across replicas at step {step} ({shown}; median {med!r})",
+    )

@@ -65,3 +65,54 @@ def agree_on_resume(
     dist.all_gather_object(gathered, (step, digest), group=group)
     views = [RankResume(r, *(g or (None, None))) for r, g in enumerate(gathered)]
     return check_agreement(views, expected_step=expected_step)
+
+
+@dataclass(frozen=True)
+class RankCandidates:
+    """What one rank could resume from: the complete checkpoints on its disk."""
+
+    rank: int
+    candidates: tuple[tuple[int, str], ...]
+    """(step, manifest digest) of every complete checkpoint it found, any order."""
+    error: str | None = None
+    """Why this rank could not even look (a failed staging, an unreadable path)."""
+
+
+def choose_checkpoint(views: list[RankCandidates], *, explicit: bool) -> tuple[int, str] | None:
+    """The (step, digest) every rank will load, or None for a fresh start. Pure.
+
+    Nodes have their own disks, so ranks may see different sets: the newest
+    checkpoint that *every* rank has wins. A fresh start happens only when no
+    rank has any checkpoint: if some do and they share none, training would
+    silently restart from scratch, so that is a ResumeMismatch naming each rank's
+    newest. ``explicit`` (one path was asked for): every rank must have found it,
+    with the same manifest.
+    """
+    errors = [v for v in views if v.error]
+    if errors:
+        raise CheckpointUnusable("; ".join(f"rank {v.rank}: {v.error}" for v in errors))
+    if explicit:
+        missing = [v.rank for v in views if not v.candidates]
+        if missing:
+            raise CheckpointUnusable(f"ranks {_ranges(missing)} found no usable checkpoint there")
+        check_agreement([RankResume(v.rank, *max(v.candidates)) for v in views])
+        return max(views[0].candidates)
+    if not any(v.candidates for v in views):
+        return None
+    common = set(views[0].candidates).intersection(*(set(v.candidates) for v in views[1:]))
+    if not common:
+        newest = [
+            RankResume(v.rank, *(max(v.candidates) if v.candidates else (None, None)))
+            for v in views
+        ]
+        try:
+            check_agreement(newest)
+            detail = ""
+        except ResumeMismatch as e:
+            detail = ": " + str(e).split(": ", 1)[-1]
+        raise ResumeMismatch(f"no checkpoint is on every rank's disk; newest per rank{detail}")
+    return max(common)
+
+
+class CheckpointUnusable(RuntimeError):
+    """The checkpoint asked for cannot be loaded (partial, corrupt, not staged)."""

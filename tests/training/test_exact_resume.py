@@ -1,5 +1,6 @@
 """The reference script under torchrun: interrupted runs end bitwise equal to an
-uninterrupted one; a NaN stops training before any update."""
+uninterrupted one (with dropout, so every rank's RNG state must come back too); a
+NaN stops training before any update."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from training.checkpoint import find_latest_complete
 STEPS = 16
 
 
-def _train(tmp: Path, name: str, *extra: str, nproc: int = 2) -> subprocess.Popen:
+def _train(
+    tmp: Path, name: str, *extra: str, nproc: int = 2, dropout: str = "0.1"
+) -> subprocess.Popen:
     return torchrun(
         "-m",
         "training.examples.train_gpt",
@@ -31,6 +34,8 @@ def _train(tmp: Path, name: str, *extra: str, nproc: int = 2) -> subprocess.Pope
         "4",
         "--save-final",
         str(tmp / f"{name}.pt"),
+        "--dropout",
+        dropout,
         *extra,
         nproc=nproc,
     )
@@ -104,15 +109,16 @@ def test_injected_nan_stops_with_its_exit_code_and_no_update(tmp_path):
 def test_four_rank_checkpoint_resumes_on_two_ranks_with_the_same_global_batch(tmp_path):
     # 4 ranks stop at step 8 (a final periodic save at 8 is skipped, so stop at 9
     # and resume from 8), then 2 ranks finish; compare with a 2-rank run throughout.
-    base = _train(tmp_path, "two", nproc=2)
+    # No dropout here: 4 and 2 ranks draw different masks by design (rng.py).
+    base = _train(tmp_path, "two", nproc=2, dropout="0")
     out = _finish(base)
     assert base.returncode == 0, out[-3000:]
-    first = _train(tmp_path, "re", "--max-steps", "9", nproc=4)
+    first = _train(tmp_path, "re", "--max-steps", "9", nproc=4, dropout="0")
     out = _finish(first)
     assert first.returncode == 0, out[-3000:]
     found = find_latest_complete(tmp_path / "re")
     assert found is not None and (found.manifest.step, found.manifest.world_size) == (8, 4)
-    second = _train(tmp_path, "re", nproc=2)
+    second = _train(tmp_path, "re", nproc=2, dropout="0")
     out = _finish(second)
     assert second.returncode == 0, out[-3000:]
     a, b = torch.load(tmp_path / "two.pt"), torch.load(tmp_path / "re.pt")

@@ -3,52 +3,45 @@
     torchrun --nproc-per-node 2 -m training.examples.train_gpt \
         --max-steps 50 --checkpoint-uri file:///tmp/ckpt --checkpoint-every 10
 
-Rerunning the same command resumes from the newest complete checkpoint. SIGTERM
-or SIGUSR1 on any rank: every rank stops at the same step boundary, saves an
-emergency checkpoint and exits with ExitCode.PREEMPTED_SAVED (75). A NaN/Inf loss
-or gradient exits with NAN_DETECTED (76) before the optimizer touches the weights.
+It is the documented example of ``training.Run``: everything skyresume does in the
+job (restore, the stop agreement, reports, monitors, checkpoints) is in the few
+``run.`` calls of ``main``. Rerunning the same command resumes from the newest
+complete checkpoint. SIGTERM or SIGUSR1 on any rank: every rank stops at the same
+step boundary, saves an emergency checkpoint and exits with
+ExitCode.PREEMPTED_SAVED (75). A NaN/Inf loss or gradient exits with NAN_DETECTED
+(76) before the optimizer touches the weights; replicas whose reference loss
+differ exit with SILENT_CORRUPTION (79).
 
-The data is a pure function of (seed, global sample index), and a step consumes
-samples [step * global_batch, (step + 1) * global_batch): the data-loader position
-*is* the step, so a resume on any world size sees exactly the same samples.
+The data set is ``--dataset-size`` synthetic sequences, each a pure function of
+(seed, index); a ``ResumableSampler`` shuffles it per epoch from the seed alone and
+its position (global samples consumed) is checkpointed, so a resume on any world
+size sees exactly the samples an uninterrupted run would have.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
-import tempfile
 import time
-from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from orchestrator.contract import Env, ExitCode, manifest_digest
-from training.checkpoint import (
-    Checkpointer,
-    CheckpointError,
-    find_latest_complete,
-    load_distributed,
-    verify_checkpoint,
-)
-from training.knobs import plan_batch
-from training.progress import ProgressReporter
-from training.resume import ResumeMismatch, agree_on_resume
-from training.signals import StopRequest
+from orchestrator.contract import Env
+from training import ResumableSampler, Run
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
+    def __init__(self, d: int, heads: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.mlp = nn.Sequential(
+            nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.Dropout(dropout)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[1]
@@ -67,11 +60,12 @@ class GPT(nn.Module):
         heads: int,
         seq: int,
         activation_checkpoint_every: int = 0,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.zeros(1, seq, d))
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d, heads, dropout) for _ in range(layers))
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.ac_every = activation_checkpoint_every
@@ -88,10 +82,10 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
 
-def synthetic_batch(seed: int, first: int, count: int, seq: int, vocab: int) -> torch.Tensor:
-    """Samples [first, first + count): each a pure function of (seed, index)."""
+def synthetic_batch(seed: int, indices: list[int], seq: int, vocab: int) -> torch.Tensor:
+    """The given samples, each a pure function of (seed, index)."""
     rows = []
-    for i in range(first, first + count):
+    for i in indices:
         g = torch.Generator().manual_seed(seed * 1_000_003 + i)
         start = torch.randint(0, vocab, (1,), generator=g)
         step = torch.randint(1, 7, (1,), generator=g)
@@ -130,44 +124,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--dataset-size", type=int, default=4096, help="synthetic sequences")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--reference-every", type=int, default=0, help="0: only before saves")
+    p.add_argument("--straggler-every", type=int, default=10)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds; to slow a demo")
     p.add_argument("--inject-nan-at", type=int, default=-1, help="testing: NaN loss at this step")
-    return p.parse_args(argv)
-
-
-def _checkpoint_tiers(uri: str, local_dir: str) -> tuple[Path | None, str | None]:
-    """(local tier, remote URI to upload to). A file:// URI is used directly."""
-    if not uri:
-        return None, None
-    parsed = urlparse(uri)
-    if parsed.scheme in ("file", ""):
-        return Path(parsed.path), None
-    if parsed.scheme not in ("s3", "gs"):
-        sys.exit(f"error: --checkpoint-uri {uri}: use file://, s3:// or gs://")
-    import hashlib
-
-    default = (
-        Path(tempfile.gettempdir())
-        / "skyresume-local"
-        / hashlib.sha256(uri.encode()).hexdigest()[:12]
+    p.add_argument(
+        "--inject-corruption-at",
+        type=int,
+        default=-1,
+        help="testing: rank 1 (or 0 alone) perturbs one weight after this step's update",
     )
-    return Path(local_dir) if local_dir else default, uri
-
-
-def _stage_remote(uri: str, local_root: Path) -> None:
-    """Bring the newest complete remote checkpoint to this node's disk (one rank
-    per node does it; the others wait at the barrier that follows)."""
-    from orchestrator.cloud.storage import StorageError, list_checkpoints, stage_checkpoint
-
-    if not any(c.complete for c in list_checkpoints(uri)):
-        return  # nothing saved yet: a fresh start
-    try:
-        staged = stage_checkpoint(uri, str(local_root))
-    except StorageError as e:
-        print(f"error: staging {uri}: {e}", file=sys.stderr)
-        raise
-    print(f"staged step {staged.step} from {uri}", file=sys.stderr)
+    p.add_argument("--slow-rank", type=int, default=-1, help="testing: this rank computes slower")
+    p.add_argument("--slow-seconds", type=float, default=0.05)
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,18 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    try:
-        batch_plan = plan_batch(args.global_batch, world, args.micro_batch)
-    except ValueError as e:
-        sys.exit(f"error: {e}")
-    per_rank, micro, accum = (
-        batch_plan.per_rank_batch,
-        batch_plan.micro_batch,
-        batch_plan.grad_accum,
-    )
-    stop = StopRequest()
-    reporter = ProgressReporter(rank=rank)
 
     torch.manual_seed(args.seed)
     model = GPT(
@@ -197,153 +157,74 @@ def main(argv: list[str] | None = None) -> int:
         args.heads,
         args.seq,
         args.activation_checkpoint_every,
+        args.dropout,
     )
     ddp = nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
-
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    def state() -> dict:
-        msd, osd = get_state_dict(model, optimizer)
-        return {
-            "model": msd,
-            "optim": osd,
-            "sched": sched.state_dict(),
-            "step": torch.tensor(step),
-            "rng": {f"rank{rank}": torch.get_rng_state()},
-        }
-
-    root, upload_uri = _checkpoint_tiers(args.checkpoint_uri, args.local_dir)
-    step, digest = 0, None
-    if args.resume_from != "none" and root is not None:
-        if args.resume_from == "latest" and upload_uri:
-            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-                _stage_remote(upload_uri, root)
-            if dist.is_initialized():
-                dist.barrier()
-        if args.resume_from == "latest":
-            found = find_latest_complete(root)
-            for path, why in found.rejected if found else ():
-                print(f"rank {rank}: skipped {path}: {why}", file=sys.stderr)
-            target = found.path if found else None
-        else:
-            target = Path(urlparse(args.resume_from).path)
-        if target is not None:
-            try:
-                manifest = verify_checkpoint(target)
-                sd = state()
-                sd["rng"] = {} if manifest.world_size != world else sd["rng"]
-                load_distributed(sd, target)
-            except CheckpointError as e:
-                print(f"error: {e}", file=sys.stderr)
-                return ExitCode.CHECKPOINT_INVALID
-            set_state_dict(
-                model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
-            )
-            sched.load_state_dict(sd["sched"])
-            if sd["rng"]:
-                torch.set_rng_state(sd["rng"][f"rank{rank}"])
-            step = int(sd["step"])
-            digest = manifest_digest((target / "manifest.json").read_bytes())
-    expected = os.environ.get(Env.EXPECTED_STEP)
     try:
-        agree_on_resume(
-            step if digest else None, digest, expected_step=int(expected) if expected else None
-        )
-    except ResumeMismatch as e:
-        print(f"error: {e}", file=sys.stderr)
-        return ExitCode.RESUME_MISMATCH
+        sampler = ResumableSampler(args.dataset_size, args.global_batch, seed=args.seed)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
 
-    ckpt = (
-        Checkpointer(
-            root,
-            keep=args.keep,
-            use_async=not args.sync_save,
-            extra={"global_batch": args.global_batch},
-            upload_uri=upload_uri,
-        )
-        if root is not None
-        else None
+    def loss_of(batch: torch.Tensor, net: nn.Module) -> torch.Tensor:
+        logits = net(batch[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, args.vocab), batch[:, 1:].reshape(-1))
+
+    # A fixed batch outside the training stream, run on the unwrapped model.
+    reference = synthetic_batch(args.seed + 1, list(range(4)), args.seq, args.vocab)
+    run = Run.from_env(
+        model=model,
+        optimizer=optimizer,
+        scheduler=sched,
+        sampler=sampler,
+        reference_fn=lambda: loss_of(reference, model),
+        checkpoint_uri=args.checkpoint_uri,
+        local_dir=args.local_dir,
+        resume_from=args.resume_from,
+        checkpoint_every=args.checkpoint_every,
+        keep=args.keep,
+        use_async=not args.sync_save,
+        seed=args.seed,
+        micro_batch=args.micro_batch,
+        activation_checkpoint_every=args.activation_checkpoint_every,
+        reference_every=args.reference_every,
+        straggler_every=args.straggler_every,
     )
-
-    def checkpoint(at: int, *, emergency: bool = False) -> None:
-        if ckpt is None:
-            return
-        if emergency:
-            ckpt.wait()  # the periodic save in flight first, then this one synchronously
-            ckpt.use_async = False
-        ckpt.save(state(), at)
-        if emergency:
-            ckpt.close()
-        reporter.send(
-            "checkpoint", step=at, path=str(root / f"step_{at}"), blocking_s=ckpt.last_blocking_s
-        )
-
-    last_saved = step
-    while step < args.max_steps:
-        if stop.agreed():
-            if last_saved != step:
-                checkpoint(step, emergency=True)
-            elif ckpt is not None:
-                ckpt.close()
-            print(f"rank {rank}: stop requested; saved step {step}", file=sys.stderr)
-            return ExitCode.PREEMPTED_SAVED
-        t0 = time.perf_counter()
+    run.restore()
+    assert run.batch_plan is not None
+    micro, accum = run.batch_plan.micro_batch, run.batch_plan.grad_accum
+    for step in run.steps(args.max_steps):
         model.train()
-        batch = synthetic_batch(
-            args.seed, step * args.global_batch + rank * per_rank, per_rank, args.seq, args.vocab
-        )
+        batch = synthetic_batch(args.seed, sampler.indices(), args.seq, args.vocab)
+        if rank == args.slow_rank:
+            time.sleep(args.slow_seconds)
         total = 0.0
         for m in range(accum):
             chunk = batch[m * micro : (m + 1) * micro]
-            logits = ddp(chunk[:, :-1])
-            loss = F.cross_entropy(logits.reshape(-1, args.vocab), chunk[:, 1:].reshape(-1))
+            loss = loss_of(chunk, ddp)
             if step == args.inject_nan_at:
                 loss = loss * float("nan")
             (loss / accum).backward()
             total += loss.item() / accum
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
-        bad = torch.tensor([0 if math.isfinite(total) and math.isfinite(grad_norm) else 1])
-        if dist.is_initialized():
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        if bad.item():
-            optimizer.zero_grad(set_to_none=True)  # the weights are untouched
-            reporter.send("anomaly", kind="nan", step=step, loss=total, grad_norm=grad_norm)
-            print(
-                f"rank {rank}: non-finite loss/grad at step {step}; no update applied",
-                file=sys.stderr,
-            )
-            return ExitCode.NAN_DETECTED
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        run.report(loss=total, grad_norm=grad_norm)  # NaN/Inf: exit 76, no update
         optimizer.step()
         sched.step()
         optimizer.zero_grad(set_to_none=True)
-        step += 1
-        dt = time.perf_counter() - t0
-        reporter.progress(
-            step=step,
-            step_time=dt,
-            loss=total,
-            grad_norm=grad_norm,
-            samples_per_s=args.global_batch / dt if dt else 0.0,
-        )
+        if step == args.inject_corruption_at and rank == min(1, run.world_size - 1):
+            with torch.no_grad():
+                model.head.weight[0, 0] += 1e-2  # a flipped bit in one replica's memory
         if args.step_sleep:
             time.sleep(args.step_sleep)
-        if args.checkpoint_every and step % args.checkpoint_every == 0 and step < args.max_steps:
-            checkpoint(step)
-            last_saved = step
-    if ckpt is not None:
-        ckpt.close()
     if args.save_final and rank == 0:
         torch.save(
-            {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step},
+            {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": run.step},
             args.save_final,
         )
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    return ExitCode.OK
+    run.finish()
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(int(main()))
+    sys.exit(main())

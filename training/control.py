@@ -1,0 +1,61 @@
+"""The agent's control file: settings the service changes while the job runs.
+
+The agent rewrites the JSON file named by ``SKYRESUME_RUN_CONTROL_FILE`` (today
+``{"checkpoint_every": N}``) when the service pushes a new value. Reading it costs
+one ``stat`` per poll; the file is parsed only when its mtime or size changed. A
+missing, half-written or invalid file never stops training: the last good value
+stays, and each distinct problem is printed once.
+
+Ranks must switch at the same step (a save is a collective), so ``Run`` shares
+each rank's reading at a step boundary and applies a new interval only when
+every rank read the same one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+class ControlFile:
+    def __init__(self, path: str | None) -> None:
+        self.path = path or None
+        self._seen: tuple[int, int] | None = None
+        self._warned: set[str] = set()
+        self.checkpoint_every: int | None = None
+        """The last valid value read; None until the file says something valid."""
+
+    def poll(self) -> int | None:
+        """Re-read the file if it changed; returns the current checkpoint interval."""
+        if not self.path:
+            return None
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return self.checkpoint_every  # not written yet (or removed): keep what we had
+        sig = (st.st_mtime_ns, st.st_size)
+        if sig == self._seen:
+            return self.checkpoint_every
+        self._seen = sig
+        try:
+            with open(self.path, "rb") as f:
+                doc = json.loads(f.read())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            self._warn(f"{self.path}: not valid JSON ({e}); keeping the current settings")
+            self._seen = None  # a half-written file: read it again next time
+            return self.checkpoint_every
+        every = doc.get("checkpoint_every") if isinstance(doc, dict) else None
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            self._warn(
+                f"{self.path}: checkpoint_every must be a positive integer, got {every!r}; "
+                "keeping the current settings"
+            )
+            return self.checkpoint_every
+        self.checkpoint_every = every
+        return every
+
+    def _warn(self, msg: str) -> None:
+        if msg not in self._warned:
+            self._warned.add(msg)
+            print(f"warning: {msg}", file=sys.stderr)

@@ -1,0 +1,121 @@
+"""A deterministic, resumable sampler whose position survives any world size.
+
+The position is the number of *global* samples consumed, not a per-rank offset,
+so it means the same thing on 2 ranks as on 4. Each step consumes one global
+batch: the sample indices ``order[consumed : consumed + global_batch]`` of the
+current epoch's order, split into contiguous per-rank slices by rank. The order
+of epoch ``e`` is a permutation drawn from ``(seed, e)`` alone (or the identity
+with ``shuffle=False``), so it never depends on the world size, the RNG state or
+what happened before a restart.
+
+Resume: the checkpoint carries ``{"consumed", "seed", "global_batch",
+"num_samples", "shuffle"}``; a resume onto another world size reslices the same
+global batch, so every step sees exactly the samples it would have seen.
+A saved state from a different dataset or global batch is refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ResumableSampler:
+    """Per-rank sample indices for each step; ``Run`` advances and checkpoints it."""
+
+    def __init__(
+        self,
+        num_samples: int,
+        global_batch: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be positive, got {num_samples}")
+        if global_batch < 1:
+            raise ValueError(f"global_batch must be positive, got {global_batch}")
+        if rank is None or world_size is None:
+            import torch.distributed as dist
+
+            on = dist.is_available() and dist.is_initialized()
+            if rank is None:
+                rank = dist.get_rank() if on else 0
+            if world_size is None:
+                world_size = dist.get_world_size() if on else 1
+        if global_batch % world_size:
+            raise ValueError(f"global batch {global_batch} is not divisible by {world_size} ranks")
+        self.num_samples = num_samples
+        self.global_batch = global_batch
+        self.seed = seed
+        self.shuffle = shuffle
+        self.rank = rank
+        self.world_size = world_size
+        self.consumed = 0
+        """Global samples consumed so far: the data position."""
+        self._order_epoch: int | None = None
+        self._order: Any = None
+
+    @property
+    def per_rank(self) -> int:
+        return self.global_batch // self.world_size
+
+    @property
+    def epoch(self) -> int:
+        return self.consumed // self.num_samples
+
+    def _epoch_order(self, epoch: int) -> Any:
+        import torch
+
+        if self._order_epoch != epoch:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                self._order = torch.randperm(self.num_samples, generator=g)
+            else:
+                self._order = torch.arange(self.num_samples)
+            self._order_epoch = epoch
+        return self._order
+
+    def global_indices(self) -> list[int]:
+        """The whole global batch of the next step (every rank's samples, in order)."""
+        out: list[int] = []
+        pos = self.consumed
+        while len(out) < self.global_batch:
+            epoch, offset = divmod(pos, self.num_samples)
+            take = min(self.global_batch - len(out), self.num_samples - offset)
+            out.extend(self._epoch_order(epoch)[offset : offset + take].tolist())
+            pos += take
+        return out
+
+    def indices(self) -> list[int]:
+        """This rank's sample indices for the next step."""
+        lo = self.rank * self.per_rank
+        return self.global_indices()[lo : lo + self.per_rank]
+
+    def advance(self) -> None:
+        """One step done: move past its global batch."""
+        self.consumed += self.global_batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "consumed": self.consumed,
+            "seed": self.seed,
+            "global_batch": self.global_batch,
+            "num_samples": self.num_samples,
+            "shuffle": self.shuffle,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name in ("seed", "global_batch", "num_samples", "shuffle"):
+            if state.get(name) != getattr(self, name):
+                raise ValueError(
+                    f"sampler state: {name} was {state.get(name)!r} when saved, now "
+                    f"{getattr(self, name)!r}; the data position would not mean the same samples"
+                )
+        consumed = state.get("consumed")
+        if not isinstance(consumed, int) or consumed < 0:
+            raise ValueError(
+                f"sampler state: consumed must be a non-negative int, got {consumed!r}"
+            )
+        self.consumed = consumed

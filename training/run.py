@@ -1,0 +1,790 @@
+"""``Run``: the whole library behind one object a training script adopts in a few lines.
+
+    run = Run.from_env(model=model, optimizer=opt, scheduler=sched, sampler=sampler)
+    run.restore()
+    for step in run.steps(max_steps):
+        ...forward, backward...
+        run.report(loss=loss, grad_norm=grad_norm)  # before optimizer.step()
+        opt.step(); sched.step(); opt.zero_grad()
+    run.finish()
+
+What happens where (every rank runs the same code and calls the same collectives
+in the same order; that is what makes the agreements below safe):
+
+* ``restore()``: one rank per node stages the newest complete remote checkpoint
+  (s3://, gs:// URIs); every rank lists what it has; ranks agree on the newest
+  checkpoint every one of them has (``resume.choose_checkpoint``), verify it,
+  load it (DCP reshards onto any world size), then all-gather (step, manifest
+  digest) once more and send the ``resumed`` datagram. Disagreement exits 77,
+  an unusable checkpoint 78; nothing has been trained by then.
+* each step boundary (``steps()``): one all-reduce carries the SIGTERM/SIGUSR1
+  flag and each rank's reading of the agent's control file. A stop: every rank
+  saves the same emergency checkpoint and exits 75.
+* ``report()``: an all-reduce of "this rank saw NaN/Inf"; any rank: no rank
+  applies the update, exit 76.
+* after each step: the ``progress`` datagram; spike detectors; every
+  ``straggler_every`` steps an all-gather of per-rank compute times; every
+  ``reference_every`` steps, and before every save, the reference forward pass
+  compared across replicas (exit 79 on a difference, so a corrupted replica is
+  never checkpointed); then the periodic save (async by default).
+
+Exits are ``RunExit`` (a ``SystemExit``) carrying the contract's code, raised on
+every rank at the same point, after an ``exit`` datagram; uncaught, the process
+exits with that code, which is what the agent reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from orchestrator.contract import MANIFEST_NAME, Env, ExitCode, manifest_digest
+from training.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    Committed,
+    step_dirs,
+    verify_checkpoint,
+)
+from training.control import ControlFile
+from training.data import ResumableSampler
+from training.knobs import BatchPlan, plan_batch
+from training.monitors import (
+    Finding,
+    SpikeDetector,
+    detect_reference_divergence,
+    detect_straggler,
+)
+from training.progress import ProgressReporter
+from training.resume import (
+    CheckpointUnusable,
+    RankCandidates,
+    ResumeMismatch,
+    agree_on_resume,
+    choose_checkpoint,
+)
+from training.rng import capture_rng_state, reseed_all, restore_rng_state, rng_key
+from training.signals import StopRequest
+
+
+class RunExit(SystemExit):
+    """A deliberate exit with one of the contract's codes (every rank agrees)."""
+
+    def __init__(self, code: ExitCode, reason: str) -> None:
+        super().__init__(int(code))
+        self.exit_code = code
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"{self.exit_code.name} ({int(self.exit_code)}): {self.reason}"
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int | None) -> int | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: not an integer") from None
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The run's context. ``from_env`` reads what the node agent sets
+    (``orchestrator.contract.Env``); keyword overrides (a script's flags) win."""
+
+    checkpoint_uri: str = ""
+    """file:///abs/path, s3://bucket/prefix or gs://bucket/prefix; empty = no checkpoints."""
+    local_dir: str = ""
+    """Local tier for s3:// and gs:// URIs (saves land here, then upload). A file://
+    URI is written directly (it is already a filesystem)."""
+    resume_from: str = "latest"
+    """``latest`` | ``none`` | a local path or file:// URI of one ``step_<N>`` directory."""
+    expected_step: int | None = None
+    """Set by the reconciler after staging: ranks refuse to train on any other step."""
+    checkpoint_every: int = 100
+    """Steps between periodic saves; 0 = none. The control file may change it."""
+    keep: int = 3
+    """Complete checkpoints kept, locally and in the store (>= 2)."""
+    use_async: bool = True
+    """``async_save``: the step blocks only for the copy to CPU memory."""
+    seed: int = 0
+    """Reseeds per-rank generators when a resume changes the world size (see rng.py)."""
+    global_batch: int | None = None
+    """Samples per optimizer step over all ranks; fixed for the whole run."""
+    micro_batch: int | None = None
+    """Per-rank micro-batch the memory planner chose (None = the whole per-rank batch)."""
+    activation_checkpoint_every: int = 0
+    """Recompute every Nth block's activations (the model applies it); 0 = off."""
+    progress_addr: str = ""
+    """host:port of the agent's UDP listener; empty = no reports."""
+    control_file: str = ""
+    """The agent's JSON control file; empty = none."""
+    control_every: int = 5
+    """Steps between control-file polls (each poll is one stat())."""
+    reference_every: int = 0
+    """Steps between reference forward passes (and one before every save) when a
+    ``reference_fn`` is given; 0 = only before saves."""
+    reference_rtol: float = 1e-6
+    straggler_every: int = 10
+    """Steps between sharing per-rank compute times; 0 = never."""
+    straggler_ratio: float = 1.5
+    """Slowest rank over the median at or above which a straggler is reported."""
+    spike_threshold: float = 6.0
+    """Robust z-score (median/MAD) above which a loss or grad norm is a spike."""
+    job_id: str = ""
+    attempt: int | None = None
+    node_id: str = ""
+
+    def __post_init__(self) -> None:
+        if self.keep < 2:
+            raise ValueError(
+                f"keep must be >= 2 (got {self.keep}): a save in flight needs a fallback"
+            )
+        for name in ("checkpoint_every", "control_every", "reference_every", "straggler_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.resume_from not in ("latest", "none") and not self.resume_from:
+            raise ValueError("resume_from must be 'latest', 'none' or a path")
+        scheme = urlparse(self.checkpoint_uri).scheme if self.checkpoint_uri else ""
+        if self.checkpoint_uri and scheme not in ("file", "s3", "gs"):
+            raise ValueError(
+                f"checkpoint_uri {self.checkpoint_uri!r}: use file:///abs/path, s3:// or gs://"
+            )
+        if self.global_batch is not None and self.global_batch < 1:
+            raise ValueError(f"global_batch must be positive, got {self.global_batch}")
+        if self.straggler_ratio <= 1.0:
+            raise ValueError(f"straggler_ratio must be > 1, got {self.straggler_ratio}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> RunConfig:
+        """Read the agent's ``SKYRESUME_RUN_*`` variables; a bad value raises
+        ValueError naming the variable. ``overrides`` that are None are ignored."""
+        env = os.environ if env is None else env
+        known = {f.name for f in fields(cls)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise TypeError(f"unknown RunConfig fields: {', '.join(sorted(unknown))}")
+        cfg = cls(
+            checkpoint_uri=env.get(Env.CHECKPOINT_URI, ""),
+            local_dir=env.get(Env.LOCAL_CHECKPOINT_DIR, ""),
+            resume_from=env.get(Env.RESUME_FROM, "") or "latest",
+            expected_step=_env_int(env, Env.EXPECTED_STEP, None),
+            checkpoint_every=_env_int(env, Env.CHECKPOINT_EVERY, 100) or 0,
+            global_batch=_env_int(env, Env.GLOBAL_BATCH, None),
+            micro_batch=_env_int(env, Env.MICRO_BATCH, None) or None,
+            activation_checkpoint_every=_env_int(env, Env.ACTIVATION_CHECKPOINT_EVERY, 0) or 0,
+            progress_addr=env.get(Env.PROGRESS_ADDR, ""),
+            control_file=env.get(Env.CONTROL_FILE, ""),
+            job_id=env.get(Env.JOB_ID, ""),
+            attempt=_env_int(env, Env.ATTEMPT, None),
+            node_id=env.get(Env.NODE_ID, ""),
+        )
+        return replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+
+
+@dataclass
+class _StepTimes:
+    started: float = 0.0
+    first_bucket: float | None = None
+    """When DDP's first gradient bucket was ready on this rank (before any wait)."""
+    waited: float = 0.0
+    """Seconds this step spent blocked in the run's own collectives."""
+    window: list[float] = field(default_factory=list)
+
+
+def checkpoint_tiers(uri: str, local_dir: str) -> tuple[Path | None, str | None, str | None]:
+    """(local root, URI to upload to, URI the local root itself is). A file:// URI is
+    used directly; s3:// and gs:// get a local tier first."""
+    if not uri:
+        return None, None, None
+    parsed = urlparse(uri)
+    if parsed.scheme == "file":
+        return Path(parsed.path), None, uri
+    import hashlib
+    import tempfile
+
+    default = (
+        Path(tempfile.gettempdir())
+        / "skyresume-local"
+        / hashlib.sha256(uri.encode()).hexdigest()[:12]
+    )
+    return (Path(local_dir) if local_dir else default), uri, None
+
+
+class Run:
+    """One training run's checkpoints, resume, stop, reports and monitors."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        model: Any,
+        optimizer: Any,
+        scheduler: Any = None,
+        sampler: ResumableSampler | None = None,
+        reference_fn: Callable[[], Any] | None = None,
+        extra_state: Mapping[str, Any] | None = None,
+    ) -> None:
+        """``model`` may be wrapped (DDP, FSDP2). ``reference_fn()`` returns the loss
+        of a fixed batch (it is run under ``torch.no_grad()`` with the model in eval
+        mode). ``extra_state`` maps names to objects with ``state_dict()`` /
+        ``load_state_dict()`` that are saved and restored too."""
+        import torch.distributed as dist
+
+        self.config = config
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.sampler = sampler
+        self.reference_fn = reference_fn
+        self.extra_state = dict(extra_state or {})
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        global_batch = config.global_batch
+        if sampler is not None:
+            if global_batch is not None and global_batch != sampler.global_batch:
+                raise ValueError(
+                    f"global batch {global_batch} (config) differs from the sampler's "
+                    f"{sampler.global_batch}"
+                )
+            global_batch = sampler.global_batch
+        self.global_batch = global_batch
+        self.batch_plan: BatchPlan | None = (
+            plan_batch(global_batch, self.world_size, config.micro_batch)
+            if global_batch is not None
+            else None
+        )
+        self.step = 0
+        """Optimizer steps completed (the next step to run)."""
+        self.checkpoint_every = config.checkpoint_every
+        self.resumed_digest: str | None = None
+        self.last_straggler: tuple[int, float] | None = None
+        """(slowest rank, its compute time over the median) at the last share."""
+        self.findings: list[Finding] = []
+        self.reporter = ProgressReporter(config.progress_addr, rank=self.rank)
+        self._stop = StopRequest()
+        self._control = ControlFile(config.control_file)
+        self._loss_spikes = SpikeDetector("loss_spike", threshold=config.spike_threshold)
+        self._grad_spikes = SpikeDetector("grad_norm_spike", threshold=config.spike_threshold)
+        self._times = _StepTimes()
+        self._report: tuple[float, float | None] | None = None
+        self._restored = False
+        self._polled = False
+        self._max_steps: int | None = None
+        self._last_saved: int | None = None
+        self.root, self.upload_uri, durable = checkpoint_tiers(
+            config.checkpoint_uri, config.local_dir
+        )
+        self.checkpointer: Checkpointer | None = (
+            Checkpointer(
+                self.root,
+                keep=config.keep,
+                use_async=config.use_async,
+                extra={"global_batch": global_batch},
+                upload_uri=self.upload_uri,
+                durable_uri=durable,
+                on_commit=self._on_commit,
+            )
+            if self.root is not None
+            else None
+        )
+        self._hook_ddp()
+
+    @classmethod
+    def from_env(
+        cls,
+        *,
+        model: Any,
+        optimizer: Any,
+        scheduler: Any = None,
+        sampler: ResumableSampler | None = None,
+        reference_fn: Callable[[], Any] | None = None,
+        extra_state: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+        **config: Any,
+    ) -> Run:
+        """A Run whose context comes from the agent's environment; keyword
+        arguments named like ``RunConfig`` fields override it (None = keep)."""
+        return cls(
+            RunConfig.from_env(env, **config),
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            sampler=sampler,
+            reference_fn=reference_fn,
+            extra_state=extra_state,
+        )
+
+    # --- state ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full training state as DCP saves it (this rank's view)."""
+        import torch
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        sd: dict[str, Any] = {
+            "model": msd,
+            "optim": osd,
+            "step": torch.tensor(self.step),
+            "rng": {rng_key(self.rank): capture_rng_state()},
+        }
+        if self.scheduler is not None:
+            sd["sched"] = self.scheduler.state_dict()
+        if self.sampler is not None:
+            sd["data"] = self.sampler.state_dict()
+        for name, obj in self.extra_state.items():
+            sd[f"extra.{name}"] = obj.state_dict()
+        return sd
+
+    def _load(self, step_dir: Path, world_at_save: int) -> int:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        sd = self.state_dict()
+        saved_keys = set(FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata)
+        mine = rng_key(self.rank)
+        same_world = world_at_save == self.world_size
+        if same_world:  # only the generators this checkpoint actually holds
+            sd["rng"][mine] = {
+                k: v for k, v in sd["rng"][mine].items() if f"rng.{mine}.{k}" in saved_keys
+            }
+        else:
+            del sd["rng"]
+        dcp.load(sd, checkpoint_id=str(step_dir), no_dist=not self.distributed)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=sd["model"],
+            optim_state_dict=sd["optim"],
+        )
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(sd["sched"])
+        if self.sampler is not None:
+            self.sampler.load_state_dict(sd["data"])
+        for name, obj in self.extra_state.items():
+            obj.load_state_dict(sd[f"extra.{name}"])
+        step = int(sd["step"])
+        if same_world:
+            restore_rng_state(sd["rng"][mine])
+        else:
+            reseed_all(self.config.seed, step, self.rank)
+            if self.rank == 0:
+                print(
+                    f"world size {world_at_save} -> {self.world_size}: model, optimizer and "
+                    f"data position resharded; random generators reseeded from (seed, step, rank)",
+                    file=sys.stderr,
+                )
+        return step
+
+    # --- restore ----------------------------------------------------------------------
+
+    def restore(self) -> int:
+        """Load the checkpoint every rank agrees on (or start fresh); returns the step.
+
+        Exits (RunExit) 78 if what was asked for cannot be loaded, 77 if ranks
+        disagree. Sends one ``resumed`` datagram per rank once they agree."""
+        if self._restored:
+            return self.step
+        explicit = self.config.resume_from not in ("latest", "none")
+        chosen: tuple[int, str] | None = None
+        paths: dict[tuple[int, str], Path] = {}
+        world_at_save = self.world_size
+        if (self.root is not None and self.config.resume_from != "none") or explicit:
+            error = self._stage() if not explicit else None
+            try:
+                chosen, paths, world_at_save = self._agree_on_checkpoint(explicit, error)
+            except CheckpointUnusable as e:
+                self._exit(ExitCode.CHECKPOINT_INVALID, f"checkpoint unusable: {e}")
+            except ResumeMismatch as e:
+                self._exit(ExitCode.RESUME_MISMATCH, str(e))
+        step, digest = 0, None
+        if chosen is not None:
+            step_dir = paths[chosen]
+            try:
+                step = self._load(step_dir, world_at_save)
+            except (CheckpointError, RuntimeError, ValueError, KeyError) as e:
+                self._exit(ExitCode.CHECKPOINT_INVALID, f"{step_dir}: could not load: {e}")
+            digest = chosen[1]
+        try:
+            agree_on_resume(
+                step if digest else None, digest, expected_step=self.config.expected_step
+            )
+        except ResumeMismatch as e:
+            self._exit(ExitCode.RESUME_MISMATCH, str(e))
+        self.step = step
+        self._last_saved = step if digest else None
+        self.resumed_digest = digest
+        self._restored = True
+        self.reporter.send("resumed", step=step, manifest_digest=digest)
+        if digest and self.rank == 0:
+            print(f"resumed from step {step} ({paths[chosen]})", file=sys.stderr)  # type: ignore[index]
+        return step
+
+    def _stage(self) -> str | None:
+        """One rank per node brings the newest complete remote checkpoint to local
+        disk; returns why it failed (None if it did not)."""
+        if not self.upload_uri:
+            return None
+        error = None
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            from orchestrator.cloud.storage import (
+                StorageError,
+                list_checkpoints,
+                stage_checkpoint,
+            )
+
+            try:
+                if any(c.complete for c in list_checkpoints(self.upload_uri)):
+                    assert self.root is not None
+                    staged = stage_checkpoint(self.upload_uri, str(self.root))
+                    print(f"staged step {staged.step} from {self.upload_uri}", file=sys.stderr)
+            except StorageError as e:
+                error = f"staging from {self.upload_uri}: {e}"
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+        return error
+
+    def _local_candidates(self, explicit: bool) -> tuple[list[tuple[int, str, Path, int]], str]:
+        """(step, digest, path, world size) of complete checkpoints here (sizes and
+        COMMIT checked; checksums are checked once one is chosen), and why others
+        were skipped."""
+        if explicit:
+            p = self.config.resume_from
+            dirs = [Path(urlparse(p).path) if p.startswith("file://") else Path(p)]
+        else:
+            dirs = [d for _s, d in step_dirs(self.root)] if self.root else []
+        found, skipped = [], []
+        for d in dirs:
+            try:
+                m = verify_checkpoint(d, deep=False)
+            except CheckpointError as e:
+                skipped.append(str(e))
+                continue
+            digest = manifest_digest((d / MANIFEST_NAME).read_bytes())
+            found.append((m.step, digest, d, m.world_size))
+        return found, "; ".join(skipped)
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def _agree_on_checkpoint(
+        self, explicit: bool, error: str | None
+    ) -> tuple[tuple[int, str] | None, dict[tuple[int, str], Path], int]:
+        found, skipped = self._local_candidates(explicit)
+        if skipped and (explicit or int(os.environ.get("LOCAL_RANK", "0")) == 0):
+            print(f"rank {self.rank}: skipped: {skipped}", file=sys.stderr)
+        if explicit and not found and skipped:
+            error = skipped
+        paths = {(s, d): p for s, d, p, _w in found}
+        worlds = {(s, d): w for s, d, _p, w in found}
+        excluded: set[tuple[int, str]] = set()
+        while True:
+            mine = tuple(k for k in paths if k not in excluded)
+            views = [
+                RankCandidates(r, tuple(map(tuple, c)), e)  # type: ignore[arg-type]
+                for r, (c, e) in enumerate(self._all_gather((list(mine), error)))
+            ]
+            chosen = choose_checkpoint(views, explicit=explicit)
+            if chosen is None:
+                return None, paths, self.world_size
+            # Checksums: one rank per node reads the files (the node's ranks share a
+            # disk); every rank learns the verdict, so all fall back together.
+            verdict = None
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+                try:
+                    verify_checkpoint(paths[chosen], deep=True)
+                except CheckpointError as e:
+                    verdict = str(e)
+            bad = [v for v in self._all_gather(verdict) if v]
+            if not bad:
+                return chosen, paths, worlds[chosen]
+            if explicit:
+                raise CheckpointUnusable("; ".join(bad))
+            print(f"rank {self.rank}: step {chosen[0]} rejected: {bad[0]}", file=sys.stderr)
+            excluded.add(chosen)
+
+    # --- the loop ---------------------------------------------------------------------
+
+    def steps(self, max_steps: int) -> Iterator[int]:
+        """Yield each step to run, from the restored one up to ``max_steps``.
+
+        Before each: the stop agreement (SIGTERM -> emergency save -> exit 75) and
+        the control file. After each (when the loop asks for the next): progress,
+        monitors, reference pass, periodic save."""
+        if max_steps < 0:
+            raise ValueError(f"max_steps must be >= 0, got {max_steps}")
+        self.restore()
+        self._max_steps = max_steps
+        while self.step < max_steps:
+            if self.should_stop():
+                self.stop_and_exit()
+            self._begin_step()
+            yield self.step
+            self.end_step()
+
+    def _begin_step(self) -> None:
+        self._times.started = time.perf_counter()
+        self._times.first_bucket = None
+        self._times.waited = 0.0
+        self._report = None
+
+    def should_stop(self) -> bool:
+        """The step-boundary agreement (a collective: every rank calls it at the same
+        step). True on every rank if any rank was signalled. Also applies a new
+        checkpoint interval once every rank read the same one from the control file."""
+        import torch
+
+        if not self._polled or self.step % max(1, self.config.control_every) == 0:
+            self._control.poll()
+            self._polled = True
+        every = self._control.checkpoint_every or 0
+        flags = torch.tensor(
+            [1 if self._stop.requested_here else 0, every, -every], dtype=torch.int64
+        )
+        if self.distributed:
+            import torch.distributed as dist
+
+            t0 = time.perf_counter()
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            self._times.waited += time.perf_counter() - t0
+        stop, hi, lo = (int(x) for x in flags)
+        if hi == -lo and hi > 0 and hi != self.checkpoint_every:
+            if self.rank == 0:
+                print(
+                    f"checkpoint interval {self.checkpoint_every} -> {hi} steps (control file)",
+                    file=sys.stderr,
+                )
+            self.checkpoint_every = hi
+        return bool(stop)
+
+    def stop_and_exit(self) -> None:
+        """Save the emergency checkpoint (all ranks, same step) and exit 75."""
+        ckpt = self.checkpointer
+        if ckpt is not None:
+            try:
+                ckpt.wait()  # the periodic save in flight first, then this one synchronously
+            except CheckpointError as e:  # every rank gets the same outcome
+                print(f"rank {self.rank}: {e}; saving the emergency one anyway", file=sys.stderr)
+            if self._last_saved != self.step:
+                use_async, ckpt.use_async = ckpt.use_async, False
+                try:
+                    ckpt.save(self.state_dict(), self.step)
+                finally:
+                    ckpt.use_async = use_async
+                self._last_saved = self.step
+            ckpt.close()
+        print(f"rank {self.rank}: stop requested; saved step {self.step}", file=sys.stderr)
+        self._exit(ExitCode.PREEMPTED_SAVED, f"stop requested; saved step {self.step}")
+
+    def report(self, *, loss: Any, grad_norm: Any = None) -> None:
+        """This step's loss and (global) grad norm. Call it after backward and
+        **before** ``optimizer.step()``: if any rank saw NaN/Inf, every rank exits 76
+        here, with the weights untouched (a collective)."""
+        import torch
+
+        loss_f = float(loss)
+        gn = None if grad_norm is None else float(grad_norm)
+        bad = torch.tensor(
+            [0 if math.isfinite(loss_f) and (gn is None or math.isfinite(gn)) else 1]
+        )
+        if self.distributed:
+            import torch.distributed as dist
+
+            t0 = time.perf_counter()
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            self._times.waited += time.perf_counter() - t0
+        if bad.item():
+            self.optimizer.zero_grad(set_to_none=True)  # the weights are untouched
+            self._anomaly("nan", f"loss {loss_f}, grad norm {gn} on rank {self.rank}")
+            print(
+                f"rank {self.rank}: non-finite loss/grad at step {self.step}; no update applied",
+                file=sys.stderr,
+            )
+            if self.checkpointer is not None:
+                self.checkpointer.close()  # the last periodic save predates the NaN
+            self._exit(ExitCode.NAN_DETECTED, f"non-finite loss/grad at step {self.step}")
+        self._report = (loss_f, gn)
+
+    def end_step(self) -> None:
+        """Close the step: count it, report it, watch it, maybe save."""
+        self.step += 1
+        if self.sampler is not None:
+            self.sampler.advance()
+        now = time.perf_counter()
+        dt = now - self._times.started
+        loss, gn = self._report or (None, None)
+        self.reporter.progress(
+            step=self.step,
+            step_time=dt,
+            loss=loss,  # type: ignore[arg-type]
+            grad_norm=gn,  # type: ignore[arg-type]
+            samples_per_s=(self.global_batch or 0) / dt if dt > 0 else 0.0,
+        )
+        if loss is not None:
+            self._observe(self._loss_spikes.observe(self.step, loss))
+        if gn is not None:
+            self._observe(self._grad_spikes.observe(self.step, gn))
+        first = self._times.first_bucket
+        compute = (first - self._times.started) if first is not None else dt - self._times.waited
+        self._times.window.append(max(compute, 0.0))
+        every = self.config.straggler_every
+        if every and self.step % every == 0:
+            self._share_step_times()
+        save_due = self._save_due()
+        ref_every = self.config.reference_every
+        if self.reference_fn is not None and (
+            save_due or (ref_every and self.step % ref_every == 0)
+        ):
+            self._check_reference()
+        if save_due:
+            self.maybe_checkpoint()
+
+    def _save_due(self) -> bool:
+        every = self.checkpoint_every
+        final = self._max_steps is not None and self.step >= self._max_steps
+        return bool(
+            self.checkpointer is not None
+            and every
+            and self.step % every == 0
+            and not final
+            and self._last_saved != self.step
+        )
+
+    def maybe_checkpoint(self, *, force: bool = False) -> bool:
+        """Start the periodic save if one is due at this step (every rank calls it at
+        the same step; ``steps()`` does). Returns whether a save started."""
+        if self.checkpointer is None or not (force or self._save_due()):
+            return False
+        self.checkpointer.save(self.state_dict(), self.step)
+        self._last_saved = self.step
+        return True
+
+    def finish(self, *, save: bool = False) -> None:
+        """Wait for the save in flight (and with ``save``, save this final step), send
+        the ``exit`` datagram and tear the process group down."""
+        if self.checkpointer is not None:
+            if save and self._last_saved != self.step:
+                self.maybe_checkpoint(force=True)
+            self.checkpointer.close()
+        self.reporter.send("exit", code=int(ExitCode.OK), reason=f"finished at step {self.step}")
+        self._stop.restore()
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+            dist.destroy_process_group()
+
+    # --- monitors ---------------------------------------------------------------------
+
+    def _observe(self, finding: Finding | None) -> None:
+        if finding is not None:
+            self.findings.append(finding)
+            self._anomaly("spike", f"{finding.kind} on rank {self.rank}: {finding.evidence}")
+
+    def _share_step_times(self) -> None:
+        import torch
+
+        mine = statistics.fmean(self._times.window) if self._times.window else 0.0
+        self._times.window.clear()
+        if not self.distributed:
+            return
+        import torch.distributed as dist
+
+        times = [torch.zeros(1, dtype=torch.float64) for _ in range(self.world_size)]
+        dist.all_gather(times, torch.tensor([mine], dtype=torch.float64))
+        per_rank = [float(t) for t in times]
+        slowest, ratio, finding = detect_straggler(
+            self.step, per_rank, ratio_threshold=self.config.straggler_ratio
+        )
+        self.last_straggler = (slowest, ratio)
+        if finding is not None:
+            self.findings.append(finding)
+            if self.rank == 0:  # one report per finding, not one per rank
+                self._anomaly("straggler", finding.evidence)
+
+    def _check_reference(self) -> None:
+        import torch
+
+        assert self.reference_fn is not None
+        was_training = bool(getattr(self.model, "training", True))
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                value = float(self.reference_fn())
+        finally:
+            self.model.train(was_training)
+        losses = [float(v) for v in self._all_gather(value)]
+        finding = detect_reference_divergence(self.step, losses, rtol=self.config.reference_rtol)
+        if finding is None:
+            return
+        self.findings.append(finding)
+        self._anomaly("silent_corruption", finding.evidence)
+        print(f"rank {self.rank}: {finding.evidence}", file=sys.stderr)
+        if self.checkpointer is not None:
+            self.checkpointer.close()  # an earlier save predates the divergence
+        self._exit(ExitCode.SILENT_CORRUPTION, finding.evidence)
+
+    def _hook_ddp(self) -> None:
+        """Time when this rank's first gradient bucket is ready: compute before any
+        wait on slower peers (DDP's all-reduce makes every rank's whole step as slow
+        as the slowest one, so whole-step times cannot tell who is slow)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not isinstance(self.model, DistributedDataParallel):
+            return
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        times = self._times
+
+        def timed_allreduce(state: Any, bucket: Any) -> Any:
+            if times.first_bucket is None:
+                times.first_bucket = time.perf_counter()
+            return allreduce_hook(state, bucket)
+
+        # A user's own hook wins: then compute is step time minus the run's waits.
+        with contextlib.suppress(RuntimeError):
+            self.model.register_comm_hook(None, timed_allreduce)
+
+    # --- reporting --------------------------------------------------------------------
+
+    def _on_commit(self, c: Committed) -> None:
+        if self.rank == 0:
+            self.reporter.send(
+                "checkpoint",
+                step=c.step,
+                path=str(c.path),
+                uploaded_uri=c.uploaded_uri,
+                world_size=c.world_size,
+            )
+
+    def _anomaly(self, kind: str, detail: str) -> None:
+        self.reporter.send("anomaly", kind=kind, step=self.step, detail=detail)
+
+    def _exit(self, code: ExitCode, reason: str) -> None:
+        self.reporter.send("exit", code=int(code), reason=reason)
+        if code != ExitCode.PREEMPTED_SAVED:
+            print(f"rank {self.rank}: error: {reason}", file=sys.stderr)
+        self._stop.restore()
+        raise RunExit(code, reason)
