@@ -19,12 +19,14 @@ offers (:class:`Candidate`, gathered by ``orchestrator.launchers.catalog``) with
   candidate where nothing fits is rejected with the planner's reason;
 * **nodes**: with ``min_nodes`` below ``num_nodes``, a candidate whose capacity is
   known to be short (``available_nodes``) may run on fewer nodes, down to
-  ``min_nodes``, at a proportional loss of throughput; node counts whose ranks do
-  not divide the global batch are skipped.
+  ``min_nodes``, at a proportional loss of throughput and a penalty for finishing
+  later; node counts whose ranks do not divide the global batch are skipped.
 
-The score is the expected price of one job-hour of useful work::
+The score is the expected price of one job-hour of useful work, with fewer nodes
+priced for the time they add::
 
-    price_per_job_hour / (node_fraction / (1 + recompute) * (1 - expected_lost))
+    price_per_job_hour * (1 + fewer_nodes_penalty * (1 - node_fraction))
+        / (node_fraction / (1 + recompute) * (1 - expected_lost))
 
 Lower is better; ties go to the job's own order of accelerator preference, then
 to the name, so the ranking is deterministic. Pure: no I/O, no SkyPilot; the
@@ -91,19 +93,28 @@ class PlannerPolicy:
     base_spot_rate_per_hour: float = 0.05
     """Preemptions per node-hour assumed for spot with no history (about one a day
     for a single node, which is what public spot advisors report for GPUs)."""
-    rate_per_recent_preemption: float = 0.25
-    """Preemptions per hour added by each (fully weighted) recent preemption."""
+    rate_per_recent_preemption: float = 1.0
+    """Preemptions per hour added by each (fully weighted) recent preemption: spot
+    reclaims come in waves, so a region that just took nodes is expected to take
+    more within the hour."""
     lost_hours_per_preemption: float = 0.25
     """Restart (detect, replace, stage, relaunch) plus half a checkpoint interval of
     redone work; the advisor's measured figures replace it when the caller has them."""
     max_lost_fraction: float = 0.95
+    fewer_nodes_penalty: float = 0.5
+    """Fewer nodes cost the same per unit of work but the job finishes later; running
+    on half the nodes makes the score ``1 + 0.5 * 0.5`` times worse."""
 
     def __post_init__(self) -> None:
         if self.half_life <= timedelta(0):
             raise ValueError("half_life must be positive")
         if self.cooldown < timedelta(0):
             raise ValueError("cooldown must be >= 0")
-        for name in ("base_spot_rate_per_hour", "rate_per_recent_preemption"):
+        for name in (
+            "base_spot_rate_per_hour",
+            "rate_per_recent_preemption",
+            "fewer_nodes_penalty",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.lost_hours_per_preemption < 0:
@@ -339,7 +350,8 @@ def _score(
     lost = min(policy.max_lost_fraction, rate * policy.lost_hours_per_preemption)
     recompute = memory.compute_overhead if memory else 0.0
     throughput = (nodes / spec.num_nodes) / (1.0 + recompute)
-    score = job_price / (throughput * (1.0 - lost))
+    later = 1.0 + policy.fewer_nodes_penalty * (1.0 - nodes / spec.num_nodes)
+    score = job_price * later / (throughput * (1.0 - lost))
     kind = "spot" if spec.spot else "on-demand"
     reasons = [
         f"{kind} ${node_price:.2f}/node-h x {nodes} = ${job_price:.2f}/h",
