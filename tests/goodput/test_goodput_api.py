@@ -50,8 +50,3 @@ def test_goodput_needs_the_operator_token(client, app):
     assert r.status_code == 401
     del client.headers["Authorization"]
     assert client.get(f"/v1/jobs/{job_id}/goodput").status_code == 401
-
-
-def test_goodput_is_in_the_openapi_document(client):
-    paths = client.get("/openapi.json").json()["paths"]
-    assert "get" in paths["/v1/jobs/{job_id}/goodput"]

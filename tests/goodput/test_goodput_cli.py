@@ -25,11 +25,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(
-    scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
-)
-def service(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """`skyresume serve` (reconciler off: the history is written here) with two jobs."""
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory):
+    """`skyresume serve` on SQLite (reconciler off: the history is written here) with
+    two jobs. The API these commands read is tested on PostgreSQL too
+    (test_goodput_api.py); one server start is enough for the client."""
     home = tmp_path_factory.mktemp("home")
     port = _free_port()
     env = {
@@ -40,17 +40,7 @@ def service(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         "COLUMNS": "200",  # one layout, whatever terminal runs the tests
     }
     env.pop("SKYRESUME_TOKEN", None)
-    if request.param == "postgres":
-        from testkit import reset_postgres
-
-        from orchestrator.store import db
-
-        url = request.getfixturevalue("postgres_server_url")
-        reset_postgres(url)
-        db.upgrade(url)
-        env["SKYRESUME_DATABASE_URL"] = url
-    else:
-        url = f"sqlite:///{home / 'skyresume.db'}"
+    url = f"sqlite:///{home / 'skyresume.db'}"
     proc = subprocess.Popen([*SKYRESUME, "serve"], env=env, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
@@ -120,9 +110,3 @@ def test_unknown_job_is_one_error_line_exit_2(service):
     out = run(env, "goodput", "j-nope")
     assert out.returncode == 2
     assert out.stderr == "error: job j-nope not found\n"
-
-
-def test_bad_output_format_is_exit_2(service):
-    env, ids = service
-    out = run(env, "goodput", ids["busy"], "-o", "yaml")
-    assert out.returncode == 2 and "yaml" in out.stderr
