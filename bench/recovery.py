@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from orchestrator.demo import DemoService, api_get, api_post, job_spec, wait_for  # noqa: E402
-from orchestrator.launchers.local import free_port, session_pids  # noqa: E402
+from orchestrator.launchers.local import NODE_MARKER, free_port, node_pids  # noqa: E402
 
 STEP_SLEEP = 0.1
 
@@ -153,6 +153,7 @@ def baseline_mttr(tmp: Path, timeout_s: float = 240) -> dict:
             f"--rdzv-conf=is_host={int(node == 0)},{conf}",
             *_train_cmd(2000, ckpt, STEP_SLEEP),
         ]
+        env[NODE_MARKER] = f"bench/node{node}"  # how the node is found and killed whole
         log = open(tmp / f"node{node}.log", "wb")  # noqa: SIM115
         procs.append(
             subprocess.Popen(
@@ -174,15 +175,20 @@ def baseline_mttr(tmp: Path, timeout_s: float = 240) -> dict:
             time.sleep(0.1)
         before = listener.max_step()
         t_kill = time.monotonic()
-        for pid in session_pids(procs[1].pid):
+        for pid in node_pids("bench", "node1"):
             os.kill(pid, signal.SIGKILL)
         while time.monotonic() < t_kill + timeout_s:
-            # A restarted worker resumes from a checkpoint at or before the kill, so
-            # its first steps are not past it; the hung survivors make no steps.
+            # Restarted workers say "resumed" (training library), or, failing that,
+            # resume from a checkpoint at or before the kill; hung survivors make no
+            # step at all, since every step needs the killed node's ranks.
+            events = list(listener.events)
+            resumed = [t for t, d in events if t > t_kill and d["type"] == "resumed"]
             again = [
                 t
-                for t, d in list(listener.events)
-                if t > t_kill and d["type"] == "progress" and d.get("step", 0) <= before
+                for t, d in events
+                if t > t_kill
+                and d["type"] == "progress"
+                and ((resumed and t > resumed[0]) or (t > t_kill + 1 and d["step"] <= before + 1))
             ]
             if again:
                 return {"recovered": True, "mttr_s": again[0] - t_kill, "killed_at_step": before}
@@ -191,8 +197,8 @@ def baseline_mttr(tmp: Path, timeout_s: float = 240) -> dict:
             time.sleep(0.1)
         return {"recovered": False, "why": f"no training step within {timeout_s:.0f} s"}
     finally:
-        for p in procs:
-            for pid in session_pids(p.pid):
+        for node in ("node0", "node1"):
+            for pid in node_pids("bench", node):
                 os.kill(pid, signal.SIGKILL)
         listener.close()
 

@@ -1,9 +1,10 @@
 """The local launcher: every node is its own process session on this machine.
 
-A node is ``skyresume-agent`` started with ``start_new_session=True``, so the agent,
-its torchrun and every rank share one session id (the agent's pid) and the node can
-be killed as a whole, the way a cloud takes a VM back: torchrun's workers outlive a
-SIGKILLed torchrun (DESIGN.md), so killing one pid would leave ranks training.
+A node is ``skyresume-agent`` started in a session of its own, with an environment
+marker (``SKYRESUME_LOCAL_NODE``) that its torchrun and every rank inherit, so the
+node can be found and killed as a whole, the way a cloud takes a VM back. Neither a
+pid, a process group, a session nor the process tree would do: torchrun starts each
+worker in a session of its own, and workers outlive a SIGKILLed torchrun (DESIGN.md).
 
 Each node has its own directory ``<root>/<job>/<node>/`` with ``disk/`` (its local
 disk: the checkpoint tier and anything staged for it) and ``logs/``, and its own
@@ -53,23 +54,38 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def session_pids(sid: int) -> list[int]:
-    """Every live process whose session id is ``sid`` (Linux /proc)."""
-    out = []
+#: Every process of a local node carries this variable (the agent, torchrun, each
+#: rank inherit it). torchrun puts each worker in a session of its own and orphans
+#: outlive a killed parent, so neither the session nor the process tree finds them
+#: all; the marker does, like a cgroup would on a real machine.
+NODE_MARKER = "SKYRESUME_LOCAL_NODE"
+
+
+def _marker(job_id: str, node_id: str) -> bytes:
+    return f"{NODE_MARKER}={job_id}/{node_id}".encode()
+
+
+def marked_pids(markers: dict[bytes, str]) -> dict[str, list[int]]:
+    """{name: live pids} of every process whose environment holds one of ``markers``
+    (``NAME=value`` bytes -> name). Linux /proc; other users' processes are skipped."""
+    out: dict[str, list[int]] = {name: [] for name in markers.values()}
+    me = os.getpid()
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or int(entry.name) == me:
             continue
         try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                env = f.read().split(b"\0")
         except OSError:
             continue
-        # Field 2 (comm) may hold spaces and parentheses: split after the last ')'.
-        fields = stat[stat.rfind(")") + 2 :].split()
-        state, session = fields[0], int(fields[3])
-        if session == sid and state != "Z":
-            out.append(int(entry.name))
+        for m, name in markers.items():
+            if m in env and _alive(int(entry.name)):
+                out[name].append(int(entry.name))
     return out
+
+
+def node_pids(job_id: str, node_id: str) -> list[int]:
+    return marked_pids({_marker(job_id, node_id): node_id})[node_id]
 
 
 def _alive(pid: int) -> bool:
@@ -213,6 +229,7 @@ class LocalLauncher:
                 **os.environ,
                 **{k: v.replace("{node_disk}", str(disk)) for k, v in request.env.items()},
                 "SKYRESUME_AGENT_TOKEN": token,
+                NODE_MARKER: f"{job}/{node_id}",
                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
             }
             log = open(d / "logs" / "agent.log", "ab")  # noqa: SIM115 - handed to the child
@@ -238,12 +255,13 @@ class LocalLauncher:
     def node_alive(self, job_id: str, node_id: str) -> bool:
         """Whether anything of the node is still running (its agent or any rank)."""
         self._reap()
-        pid = self._pid(job_id, node_id)
-        return pid is not None and (_alive(pid) or bool(session_pids(pid)))
+        return bool(node_pids(job_id, node_id))
 
     def status(self, handle: LaunchHandle) -> ClusterStatus:
         job = handle.cluster_name.rsplit("-a", 1)[0]
-        up = tuple(n for n in handle.node_ids if self.node_alive(job, n))
+        self._reap()
+        live = marked_pids({_marker(job, n): n for n in handle.node_ids})
+        up = tuple(n for n in handle.node_ids if live[n])
         if len(up) == len(handle.node_ids):
             state = ClusterState.UP
         elif up:
@@ -254,15 +272,17 @@ class LocalLauncher:
 
     def down(self, handle: LaunchHandle, *, grace_s: float = 5.0) -> None:
         job = handle.cluster_name.rsplit("-a", 1)[0]
-        sids = [p for n in handle.node_ids if (p := self._pid(job, n)) is not None]
-        for sid in sids:
-            _signal_all(session_pids(sid), signal.SIGTERM)
+        markers = {_marker(job, n): n for n in handle.node_ids}
+
+        def pids() -> list[int]:
+            return [p for ps in marked_pids(markers).values() for p in ps]
+
+        _signal_all(pids(), signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(session_pids(s) for s in sids):
+        while time.monotonic() < deadline and pids():
             self._reap()
             time.sleep(0.1)
-        for sid in sids:
-            _signal_all(session_pids(sid), signal.SIGKILL)
+        _signal_all(pids(), signal.SIGKILL)
         self._reap()
 
     # --- chaos (local only) ------------------------------------------------------------
@@ -270,10 +290,9 @@ class LocalLauncher:
     def kill_node(self, job_id: str, node_id: str) -> int:
         """SIGKILL everything of the node at once, like a VM taken back without notice.
         Returns how many processes were killed."""
-        pid = self._pid(job_id, node_id)
-        if pid is None:
+        if self._pid(job_id, node_id) is None:
             raise LaunchError(f"no local node {node_id} for job {job_id}")
-        pids = session_pids(pid)
+        pids = node_pids(job_id, node_id)
         _signal_all(pids, signal.SIGKILL)
         self._reap()
         return len(pids)
@@ -299,8 +318,7 @@ class LocalLauncher:
 
     def signal_pid(self, job_id: str, node_id: str, pid: int, sig: int) -> None:
         """Signal one process of a node, refusing pids that are not in that node's session."""
-        sid = self._pid(job_id, node_id)
-        if sid is None or pid not in session_pids(sid):
+        if pid not in node_pids(job_id, node_id):
             raise LaunchError(f"pid {pid} is not a process of node {node_id}")
         os.kill(pid, sig)
 
