@@ -604,7 +604,7 @@ class Run:
         here, with the weights untouched (a collective)."""
         import torch
 
-        loss_f = float(loss)
+        loss_f = float(loss.detach() if hasattr(loss, "detach") else loss)
         gn = None if grad_norm is None else float(grad_norm)
         bad = torch.tensor(
             [0 if math.isfinite(loss_f) and (gn is None or math.isfinite(gn)) else 1]
@@ -758,7 +758,9 @@ class Run:
 
         times = self._times
 
-        def timed_allreduce(state: Any, bucket: Any) -> Any:
+        # No annotations: DDP checks them against dist.GradBucket, and under
+        # ``from __future__ import annotations`` they would be strings.
+        def timed_allreduce(state, bucket):  # type: ignore[no-untyped-def]
             if times.first_bucket is None:
                 times.first_bucket = time.perf_counter()
             return allreduce_hook(state, bucket)

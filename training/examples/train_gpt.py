@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     # A fixed batch outside the training stream, run on the unwrapped model.
     reference = synthetic_batch(args.seed + 1, list(range(4)), args.seq, args.vocab)
     run = Run.from_env(
-        model=model,
+        model=ddp,  # the wrapper: Run times each rank's compute with a DDP comm hook
         optimizer=optimizer,
         scheduler=sched,
         sampler=sampler,
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.zero_grad(set_to_none=True)
         if step == args.inject_corruption_at and rank == min(1, run.world_size - 1):
             with torch.no_grad():
-                model.head.weight[0, 0] += 1e-2  # a flipped bit in one replica's memory
+                model.head.weight[0, 0] *= -4.0  # a flipped sign and exponent bit
         if args.step_sleep:
             time.sleep(args.step_sleep)
     if args.save_final and rank == 0:

@@ -1,0 +1,182 @@
+"""The Run facade in one process (no torchrun): stop -> emergency save -> 75 and an
+exact resume, the exit codes of bad resumes, NaN before the update, and the
+environment contract. Multi-rank behaviour is in test_run_torchrun.py."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from orchestrator.contract import COMMIT_NAME, Env, ExitCode
+from training import ResumableSampler, Run, RunConfig, RunExit
+from training.checkpoint import find_latest_complete
+
+
+def _make(tmp: Path, **config):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    random.seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    sampler = ResumableSampler(40, 4, seed=3)
+    data = torch.randn(40, 8, generator=torch.Generator().manual_seed(1))
+    cfg = {"checkpoint_uri": f"file://{tmp}", "checkpoint_every": 2, "use_async": True, **config}
+    run = Run.from_env(model=model, optimizer=opt, scheduler=sched, sampler=sampler, env={}, **cfg)
+    return run, model, opt, sampler, data
+
+
+def _train(run, model, opt, sampler, data, max_steps, *, on_step=None):  # type: ignore[no-untyped-def]
+    draws = []
+    for step in run.steps(max_steps):
+        x = data[sampler.indices()]
+        loss = model(x).pow(2).mean()
+        if on_step:
+            loss = on_step(step, loss)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        run.report(loss=loss, grad_norm=gn)
+        opt.step()
+        opt.zero_grad()
+        draws.append(random.random())  # Python's generator is part of the state too
+    return draws
+
+
+def _weights(model) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_sigterm_saves_exits_75_and_the_resume_is_exact(tmp_path):
+    run, model, opt, sampler, data = _make(tmp_path / "base")
+    base_draws = _train(run, model, opt, sampler, data, 9)
+    run.finish()
+    base = _weights(model)
+
+    def term_at_5(step, loss):  # type: ignore[no-untyped-def]
+        if step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler only sets a flag
+        return loss
+
+    run, model, opt, sampler, data = _make(tmp_path / "cut")
+    with pytest.raises(RunExit) as info:
+        _train(run, model, opt, sampler, data, 9, on_step=term_at_5)
+    assert info.value.code == ExitCode.PREEMPTED_SAVED
+    found = find_latest_complete(tmp_path / "cut")
+    assert found is not None and found.manifest.step == 6  # the step after the signal
+
+    run, model, opt, sampler, data = _make(tmp_path / "cut")
+    assert run.restore() == 6 and sampler.consumed == 6 * 4
+    draws = _train(run, model, opt, sampler, data, 9)
+    run.finish()
+    assert draws == base_draws[6:]
+    for a, b in zip(base, _weights(model), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_damaged_newest_falls_back_and_an_explicit_damaged_path_exits_78(tmp_path, capfd):
+    run, model, opt, sampler, data = _make(tmp_path)
+    _train(run, model, opt, sampler, data, 7)
+    run.finish()
+    shard = next((tmp_path / "step_6").glob("*.distcp"))
+    shard.write_bytes(b"x" + shard.read_bytes()[1:])  # same size, different bytes
+
+    run, *_ = _make(tmp_path)
+    assert run.restore() == 4
+    assert "step 6 rejected" in capfd.readouterr().err
+
+    run, *_ = _make(tmp_path, resume_from=str(tmp_path / "step_6"))
+    with pytest.raises(RunExit) as info:
+        run.restore()
+    assert info.value.code == ExitCode.CHECKPOINT_INVALID
+    assert f"{shard}: checksum mismatch" in info.value.reason
+
+    (tmp_path / "step_4" / COMMIT_NAME).unlink()
+    run, *_ = _make(tmp_path, resume_from=f"file://{tmp_path / 'step_4'}")
+    with pytest.raises(RunExit, match="CHECKPOINT_INVALID") as info:
+        run.restore()
+    assert "COMMIT: missing" in info.value.reason
+
+
+def test_a_step_other_than_the_staged_one_exits_77(tmp_path):
+    run, model, opt, sampler, data = _make(tmp_path)
+    _train(run, model, opt, sampler, data, 5)
+    run.finish()
+    run, *_ = _make(tmp_path, expected_step=2)
+    with pytest.raises(RunExit) as info:
+        run.restore()
+    assert info.value.code == ExitCode.RESUME_MISMATCH
+    assert "loaded step 4, but the orchestrator staged step 2" in info.value.reason
+
+
+def test_nan_exits_76_before_the_optimizer_touches_the_weights(tmp_path):
+    run, model, opt, sampler, data = _make(tmp_path, checkpoint_uri="")
+    before: list[torch.Tensor] = []
+
+    def nan_at_3(step, loss):  # type: ignore[no-untyped-def]
+        if step == 3:
+            before.extend(_weights(model))
+            return loss * float("nan")
+        return loss
+
+    with pytest.raises(RunExit) as info:
+        _train(run, model, opt, sampler, data, 9, on_step=nan_at_3)
+    assert info.value.code == ExitCode.NAN_DETECTED
+    for a, b in zip(before, _weights(model), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_control_file_changes_the_checkpoint_interval_while_running(tmp_path):
+    control = tmp_path / "control.json"
+    control.write_text('{"checkpoint_every": 3}')
+    run, model, opt, sampler, data = _make(
+        tmp_path / "ck", checkpoint_every=100, control_file=str(control), control_every=1
+    )
+
+    def rewrite_at_4(step, loss):  # type: ignore[no-untyped-def]
+        if step == 4:
+            control.write_text('{"checkpoint_every": 5}')
+            os.utime(control, ns=(1, 10**18))  # a distinct mtime even on coarse clocks
+        return loss
+
+    _train(run, model, opt, sampler, data, 12, on_step=rewrite_at_4)
+    run.finish()
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_10", "step_3"]
+
+
+def test_config_from_env_reads_the_contract_and_names_bad_values():
+    env = {
+        Env.CHECKPOINT_URI: "s3://bucket/run",
+        Env.LOCAL_CHECKPOINT_DIR: "/disk",
+        Env.RESUME_FROM: "none",
+        Env.EXPECTED_STEP: "40",
+        Env.CHECKPOINT_EVERY: "25",
+        Env.GLOBAL_BATCH: "64",
+        Env.MICRO_BATCH: "4",
+        Env.PROGRESS_ADDR: "127.0.0.1:9",
+        Env.CONTROL_FILE: "/disk/control.json",
+    }
+    cfg = RunConfig.from_env(env, keep=4)
+    assert (cfg.checkpoint_uri, cfg.local_dir, cfg.resume_from) == (
+        "s3://bucket/run",
+        "/disk",
+        "none",
+    )
+    assert (cfg.expected_step, cfg.checkpoint_every, cfg.global_batch, cfg.micro_batch) == (
+        40,
+        25,
+        64,
+        4,
+    )
+    assert (cfg.control_file, cfg.keep) == ("/disk/control.json", 4)
+    with pytest.raises(ValueError, match=f"{Env.CHECKPOINT_EVERY}='often': not an integer"):
+        RunConfig.from_env({Env.CHECKPOINT_EVERY: "often"})
+    with pytest.raises(ValueError, match="keep must be >= 2"):
+        RunConfig(keep=1)
+    with pytest.raises(ValueError, match="use file:///abs/path, s3:// or gs://"):
+        RunConfig(checkpoint_uri="ftp://x/y")

@@ -1,0 +1,97 @@
+"""The reference script under torchrun, as the agent sees it: the datagrams of the
+contract, the control file, straggler reports, and a corrupted replica caught by
+the reference pass before it is checkpointed (exit 79)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+
+import pytest
+from testkit import torchrun
+
+from orchestrator.contract import Env, ExitCode
+from training.checkpoint import find_latest_complete
+
+
+class Listener:
+    """The agent's UDP progress listener, collecting every datagram."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.addr = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.got: list[dict] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._done.is_set():
+            try:
+                self.got.append(json.loads(self.sock.recv(65536)))
+            except TimeoutError:
+                continue
+
+    def close(self) -> list[dict]:
+        self._done.set()
+        self._thread.join()
+        self.sock.close()
+        return self.got
+
+    def of(self, type_: str) -> list[dict]:
+        return [d for d in self.got if d["type"] == type_]
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_datagrams_control_file_straggler_and_silent_corruption(tmp_path, monkeypatch):
+    agent = Listener()
+    control = tmp_path / "control.json"
+    control.write_text(json.dumps({"checkpoint_every": 3}))  # overrides --checkpoint-every 50
+    monkeypatch.setenv(Env.PROGRESS_ADDR, agent.addr)
+    monkeypatch.setenv(Env.CONTROL_FILE, str(control))
+    root = tmp_path / "ckpt"
+    proc = torchrun(
+        "-m",
+        "training.examples.train_gpt",
+        "--max-steps", "30",
+        "--checkpoint-uri", f"file://{root}",
+        "--checkpoint-every", "50",
+        "--straggler-every", "2",
+        "--slow-rank", "1",
+        "--slow-seconds", "0.05",
+        "--inject-corruption-at", "7",
+    )  # fmt: skip
+    out = proc.communicate(timeout=300)[0].decode()
+    agent.close()
+    assert f"exitcode  : {int(ExitCode.SILENT_CORRUPTION)}" in out, out[-3000:]
+
+    for rank in (0, 1):
+        mine = [d for d in agent.got if d["rank"] == rank]
+        resumed = [i for i, d in enumerate(mine) if d["type"] == "resumed"]
+        progress = [i for i, d in enumerate(mine) if d["type"] == "progress"]
+        assert len(resumed) == 1 and resumed[0] < progress[0]
+        assert (mine[resumed[0]]["step"], mine[resumed[0]]["manifest_digest"]) == (0, None)
+        steps = [mine[i]["step"] for i in progress]
+        assert steps == list(range(1, 10))
+        assert all(mine[i]["loss"] > 0 and mine[i]["grad_norm"] > 0 for i in progress)
+
+    # The control file's interval, not the flag's; committed saves reported by rank 0.
+    ckpts = agent.of("checkpoint")
+    assert [(c["step"], c["rank"], c["world_size"]) for c in ckpts] == [(3, 0, 2), (6, 0, 2)]
+    assert ckpts[0]["uploaded_uri"] == f"file://{root}/step_3"
+
+    stragglers = agent.of("anomaly")
+    assert any(a["kind"] == "straggler" and "rank 1 took" in a["detail"] for a in stragglers)
+
+    # Corrupted after step 7's update; caught by the pass before the save at 9, on
+    # every rank, and that save never happened.
+    sdc = [a for a in agent.of("anomaly") if a["kind"] == "silent_corruption"]
+    assert sorted(a["rank"] for a in sdc) == [0, 1] and {a["step"] for a in sdc} == {9}
+    assert {e["code"] for e in agent.of("exit")} == {int(ExitCode.SILENT_CORRUPTION)}
+    found = find_latest_complete(root)
+    assert found is not None and found.manifest.step == 6
+    assert not (root / "step_9").exists()
