@@ -6,15 +6,22 @@ The figures and their sources are described in :mod:`orchestrator.store.goodput`
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Annotated
 
 from fastapi import APIRouter, HTTPException
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer
 
 from orchestrator.api.deps import OperatorDep, SessionDep
 from orchestrator.store import repo
 from orchestrator.store.goodput import InconsistentHistory, job_goodput
 
 router = APIRouter(prefix="/v1", dependencies=[OperatorDep], tags=["goodput"])
+
+# Rounded on the wire: milliseconds, cents; "119.69999999999999 s" helps nobody.
+Seconds = Annotated[float, PlainSerializer(lambda x: round(x, 3), return_type=float)]
+OptSeconds = Annotated[float | None, PlainSerializer(lambda x: None if x is None else round(x, 3))]
+Usd = Annotated[float | None, PlainSerializer(lambda x: None if x is None else round(x, 2))]
+Fraction = Annotated[float, PlainSerializer(lambda x: round(x, 5), return_type=float)]
 
 
 class _FromStore(BaseModel):
@@ -25,7 +32,7 @@ class ProtocolStepOut(_FromStore):
     step: str
     started_at: datetime
     finished_at: datetime | None = Field(description="null while the step runs")
-    seconds: float
+    seconds: Seconds
     outcome: str | None = Field(description="ok | failed | skipped; null while running")
     detail: str | None
 
@@ -46,8 +53,8 @@ class AttemptOut(_FromStore):
     resume_step: int | None
     validated_step: int | None
     incident_id: int | None
-    step_seconds: float | None = Field(description="slowest rank's step time, last heartbeat")
-    usd: float | None = Field(description="up time x nodes x price; null if unpriced")
+    step_seconds: OptSeconds = Field(description="slowest rank's step time, last heartbeat")
+    usd: Usd = Field(description="up time x nodes x price; null if unpriced")
 
 
 class IncidentOut(_FromStore):
@@ -67,11 +74,11 @@ class IncidentOut(_FromStore):
     steps_lost: int | None = Field(description="last_step - resume_step; null until resumed")
     ongoing: bool
     started_at: datetime
-    mttr_seconds: float = Field(description="detection to validated relaunch (or now)")
-    step_seconds: dict[str, float] = Field(description="seconds per protocol step, in order")
+    mttr_seconds: Seconds = Field(description="detection to validated relaunch (or now)")
+    step_seconds: dict[str, Seconds] = Field(description="seconds per protocol step, in order")
     steps: list[ProtocolStepOut]
-    lost_work_seconds: float
-    usd: float | None = Field(description="(MTTR + lost work) at the failed attempt's price")
+    lost_work_seconds: Seconds
+    usd: Usd = Field(description="(MTTR + lost work) at the failed attempt's price")
 
 
 class GoodputOut(_FromStore):
@@ -82,16 +89,16 @@ class GoodputOut(_FromStore):
     started_at: datetime = Field(description="submission")
     ended_at: datetime = Field(description="the terminal transition, or now for a live job")
     live: bool
-    effective_training_fraction: float = Field(description="productive / wall (Meta's term)")
-    wall_seconds: float
-    productive_seconds: float
-    idle_seconds: float
-    failure_seconds: float
-    lost_work_seconds: float
-    checkpoint_seconds: float
-    step_seconds: float | None
-    total_usd: float | None
-    lost_usd: float | None
+    effective_training_fraction: Fraction = Field(description="productive / wall (Meta's term)")
+    wall_seconds: Seconds
+    productive_seconds: Seconds
+    idle_seconds: Seconds
+    failure_seconds: Seconds
+    lost_work_seconds: Seconds
+    checkpoint_seconds: Seconds
+    step_seconds: OptSeconds
+    total_usd: Usd
+    lost_usd: Usd
     attempts: list[AttemptOut]
     incidents: list[IncidentOut]
 
