@@ -23,7 +23,8 @@ from typing import Any
 
 from rich.console import Console
 
-console = Console(stderr=True)
+# Wide enough for the incident table even when stderr is not a terminal.
+console = Console(stderr=True, width=max(Console(stderr=True).width, 120))
 
 
 class DemoError(RuntimeError):

@@ -92,8 +92,17 @@ def incident_table(items: list[dict[str, Any]]):  # type: ignore[no-untyped-def]
 
     from orchestrator.domain.protocol import ProtocolStep
 
-    cols = [s.value.replace("_checkpoint", "").replace("_replacement", "") for s in ProtocolStep]
-    t = Table("#", "CLASS", "NODE", "LOST", "MTTR s", *cols, title="incidents")
+    short = {"confirm_checkpoint": "confirm", "select_replacement": "select"}
+    cols = [short.get(s.value, s.value) for s in ProtocolStep]
+    t = Table(
+        "#",
+        "CLASS",
+        "NODE",
+        "LOST",
+        "MTTR s",
+        *cols,
+        title="incidents (seconds per protocol step)",
+    )
     for inc in items:
         secs = {s["step"]: s["seconds"] for s in inc["steps"]}
         t.add_row(
