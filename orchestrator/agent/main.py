@@ -35,6 +35,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -369,7 +370,7 @@ class Agent:
 
     def _report_loop(self) -> None:
         assert self.client is not None
-        delays = backoff_delays()
+        delays = self._retry_delays()
         while True:
             doc = self.outbox.q.get()
             if doc is None:
@@ -385,7 +386,7 @@ class Agent:
                     except Superseded as e:
                         self.on_superseded(str(e))
                         break
-                    delays = backoff_delays()
+                    delays = self._retry_delays()
                     if ans.status >= 300:
                         # A report the service refuses (422, 404) is logged and dropped:
                         # retrying the same body would block every report behind it.
@@ -481,9 +482,14 @@ class Agent:
             "acked_command": self.acked,
         }
 
+    def _retry_delays(self) -> Iterator[float]:
+        # Capped low: one request per node per ~2 s is nothing for the service, and a
+        # restarted service must see every node again within a couple of heartbeats.
+        return backoff_delays(base=0.2, cap=max(2.0, 2 * self.cfg.heartbeat_s))
+
     def _heartbeat_loop(self) -> None:
         assert self.client is not None
-        delays = backoff_delays(cap=max(5.0, self.cfg.heartbeat_s))
+        delays = self._retry_delays()
         unreachable_since: float | None = None
         while not self._exit.is_set():
             wait = self.cfg.heartbeat_s
@@ -502,7 +508,7 @@ class Agent:
                         "service reachable again after %.1f s", time.monotonic() - unreachable_since
                     )
                     unreachable_since = None
-                delays = backoff_delays(cap=max(5.0, self.cfg.heartbeat_s))
+                delays = self._retry_delays()
             except Superseded as e:
                 self.on_superseded(str(e))
                 return
@@ -510,14 +516,14 @@ class Agent:
                 if unreachable_since is None:
                     unreachable_since = time.monotonic()
                     log.warning("service unreachable (%s); training goes on, retrying", e)
-                wait = min(next(delays), max(self.cfg.heartbeat_s, 5.0))
+                wait = next(delays)
             self._exit.wait(wait)
 
     # --- commands --------------------------------------------------------------------
 
     def _command_loop(self) -> None:
         assert self.client is not None
-        delays = backoff_delays()
+        delays = self._retry_delays()
         while not self._exit.is_set():
             if not self._registered.wait(0.5):
                 continue
@@ -529,7 +535,7 @@ class Agent:
             except Unreachable:
                 self._exit.wait(next(delays))
                 continue
-            delays = backoff_delays()
+            delays = self._retry_delays()
             if ans.status == 404:
                 self._registered.clear()
                 continue

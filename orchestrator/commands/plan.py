@@ -13,6 +13,8 @@ catalog is missing on this machine (the message says how to get one).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import sys
@@ -38,15 +40,20 @@ def _is_job_spec(doc: dict[str, Any]) -> bool:
     return isinstance(doc.get("task"), dict) or "checkpoint" in doc
 
 
-def _spec_from_skypilot_yaml(path: Path) -> tuple[Any, Any]:
-    """(JobSpec for the planner, TaskDemand) from a plain SkyPilot task YAML."""
-    from orchestrator.domain.spec import SpecError, validate_job_spec
+def _task_demand(path: Path) -> Any:
     from orchestrator.launchers.catalog import demand_from_task
     from orchestrator.launchers.skypilot import load_task_config, task_from_config
 
     config = load_task_config(path, what="SkyPilot task")
     task = task_from_config(config, what=f"SkyPilot task {path}")
-    demand = demand_from_task(task)
+    return task, demand_from_task(task)
+
+
+def _spec_from_skypilot_yaml(path: Path) -> tuple[Any, Any]:
+    """(JobSpec for the planner, TaskDemand) from a plain SkyPilot task YAML."""
+    from orchestrator.domain.spec import SpecError, validate_job_spec
+
+    task, demand = _task_demand(path)
     raw_name = str(task.name or path.stem).lower()
     name = re.sub(r"[^a-z0-9\-_.]+", "-", raw_name).strip("-")[:63] or "task"
     doc = {
@@ -55,8 +62,6 @@ def _spec_from_skypilot_yaml(path: Path) -> tuple[Any, Any]:
         "num_nodes": demand.num_nodes,
         "accelerators": list(demand.accelerators),
         "spot": demand.spot,
-        "clouds": list(demand.clouds),
-        "regions": list(demand.regions),
         # Planning never writes a checkpoint; the spec type needs a URI.
         "checkpoint": {"uri": "file:///tmp/skyresume-plan"},
     }
@@ -66,10 +71,10 @@ def _spec_from_skypilot_yaml(path: Path) -> tuple[Any, Any]:
         raise ValueError(f"{path}: cannot plan this SkyPilot task: {e}") from None
 
 
-def _load(path: Path) -> tuple[str, Any]:
+def _load(path: Path) -> tuple[str, Any, Any]:
+    """(kind, JobSpec, TaskDemand or None): the demand, when there is one, says
+    where each of the task's own resource options may run."""
     from orchestrator.domain.spec import SpecError, load_yaml_document, validate_job_spec
-    from orchestrator.launchers.catalog import demand_from_task
-    from orchestrator.launchers.skypilot import load_task_config, task_from_config
 
     try:
         text = path.read_bytes()
@@ -82,7 +87,8 @@ def _load(path: Path) -> tuple[str, Any]:
     if not isinstance(doc, dict):
         _fail(f"{path}: expected a job spec or a SkyPilot task (a mapping)")
     if not _is_job_spec(doc):
-        return "skypilot", _spec_from_skypilot_yaml(path)[0]
+        spec, demand = _spec_from_skypilot_yaml(path)
+        return "skypilot", spec, demand
     try:
         spec = validate_job_spec(doc)
     except SpecError as e:
@@ -92,10 +98,10 @@ def _load(path: Path) -> tuple[str, Any]:
         yaml_path = Path(spec.task.skypilot_yaml)
         if not yaml_path.is_absolute():
             yaml_path = path.parent / yaml_path
-        config = load_task_config(yaml_path, what="SkyPilot task")
-        demand = demand_from_task(task_from_config(config, what=f"SkyPilot task {yaml_path}"))
+        _, demand = _task_demand(yaml_path)
         spec = spec.model_copy(update={"accelerators": list(demand.accelerators)})
-    return "job", spec
+        return "job", spec, demand
+    return "job", spec, None
 
 
 def _gpus(p: Any) -> str:
@@ -145,12 +151,21 @@ def plan(
         CatalogUnavailable,
         UnknownAccelerator,
         gather_candidates,
+        gather_for_task,
     )
 
     excluded = tuple(exclude_region or ())
     try:
-        kind, spec = _load(file)
-        candidates = gather_candidates(spec.accelerators, clouds=spec.clouds, regions=spec.regions)
+        # SkyPilot prints spinner payloads to stdout (e.g. while it looks an unknown
+        # accelerator name up on Kubernetes); stdout here is the plan, keep it clean.
+        with contextlib.redirect_stdout(io.StringIO()):
+            kind, spec, demand = _load(file)
+            if demand is not None:
+                candidates = gather_for_task(demand, clouds=spec.clouds)
+            else:
+                candidates = gather_candidates(
+                    spec.accelerators, clouds=spec.clouds, regions=spec.regions
+                )
     except CatalogUnavailable as e:
         _fail(str(e), 1)
     except (UnknownAccelerator, LaunchError, ValueError) as e:

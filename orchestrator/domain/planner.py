@@ -172,11 +172,11 @@ class Ranking:
 
 
 def _matches_region(rule: str, candidate: Candidate) -> bool:
-    """``us-east-1`` or ``aws/us-east-1`` (also ``aws:us-east-1``)."""
+    """``us-east-1``, ``aws/us-east-1`` (also ``aws:us-east-1``) or ``aws/*``."""
     rule = rule.strip().lower().replace(":", "/")
     if "/" in rule:
         cloud, region = rule.split("/", 1)
-        return cloud == candidate.cloud.lower() and region == candidate.region.lower()
+        return cloud == candidate.cloud.lower() and region in ("*", candidate.region.lower())
     return rule == candidate.region.lower()
 
 

@@ -24,7 +24,7 @@ import math
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -252,7 +252,7 @@ def _region_allowed(regions: Sequence[str], cloud: str, region: str) -> bool:
         r = r.lower().replace(":", "/")
         if "/" in r:
             c, reg = r.split("/", 1)
-            if c == cloud.lower() and reg == region.lower():
+            if c == cloud.lower() and reg in ("*", region.lower()):
                 return True
         elif r == region.lower():
             return True
@@ -264,40 +264,57 @@ class TaskDemand:
     """What a plain SkyPilot task asks for, in the planner's terms."""
 
     accelerators: tuple[str, ...]
-    clouds: tuple[str, ...]
-    regions: tuple[str, ...]
     spot: bool
     num_nodes: int
+    options: tuple[tuple[str, tuple[str, ...], tuple[str, ...], int], ...]
+    """One (accelerator, clouds, regions, preference) per resource option: ``ordered``
+    options keep their order as preference, ``any_of`` options are all preference 0."""
 
 
 def demand_from_task(task: Any) -> TaskDemand:
-    """Accelerators, clouds, regions, spot and nodes from a ``sky.Task``'s resources
-    (any_of and ordered alike: the planner ranks them all)."""
+    """Accelerators, places, spot and nodes from a ``sky.Task``'s resources, one
+    option per resource (an ``any_of`` or ``ordered`` entry, each with its infra)."""
     accels: list[str] = []
-    clouds: list[str] = []
-    regions: list[str] = []
+    options: list[tuple[str, tuple[str, ...], tuple[str, ...], int]] = []
     spots: set[bool] = set()
-    any_cloud = any_region = False
-    for r in task.resources:
+    ordered = isinstance(task.resources, list)
+    for i, r in enumerate(task.resources):
+        cloud = str(r.cloud).lower() if r.cloud is not None else None
+        clouds = (cloud,) if cloud else ()
+        if r.region is not None:
+            regions: tuple[str, ...] = (f"{cloud}/{r.region}" if cloud else str(r.region),)
+        else:
+            regions = ()
         for name, count in (r.accelerators or {}).items():
             entry = f"{name}:{int(count)}"
             if entry not in accels:
                 accels.append(entry)
-        if r.cloud is None:
-            any_cloud = True
-        elif str(r.cloud).lower() not in clouds:
-            clouds.append(str(r.cloud).lower())
-        if r.region is None:
-            any_region = True
-        elif r.cloud is not None:
-            regions.append(f"{str(r.cloud).lower()}/{r.region}")
-        else:
-            regions.append(r.region)
+            options.append((entry, clouds, regions, i if ordered else 0))
         spots.add(bool(r.use_spot))
     return TaskDemand(
         accelerators=tuple(accels),
-        clouds=() if any_cloud else tuple(clouds),
-        regions=() if any_region else tuple(regions),
         spot=spots == {True},
         num_nodes=int(task.num_nodes),
+        options=tuple(options),
     )
+
+
+def gather_for_task(demand: TaskDemand, *, clouds: Sequence[str] = ()) -> list[Candidate]:
+    """Candidates for every resource option of a SkyPilot task, each option filtered
+    by its own infra (so ``A100-80GB`` on ``gcp/us-central1`` never becomes
+    ``A100-80GB`` on AWS). ``clouds`` further limits all of them."""
+    if not demand.options:
+        raise UnknownAccelerator(
+            "the SkyPilot task names no accelerators; the planner ranks GPU offerings only"
+        )
+    allowed = {c.lower() for c in clouds}
+    out: dict[tuple[str, str, str], Candidate] = {}
+    for accel, opt_clouds, opt_regions, pref in demand.options:
+        use = [c for c in opt_clouds if not allowed or c in allowed] if opt_clouds else clouds
+        if opt_clouds and not use:
+            continue
+        for c in gather_candidates([accel], clouds=use, regions=opt_regions):
+            key = (c.cloud, c.region, c.instance_type)
+            if key not in out or out[key].preference > pref:
+                out[key] = replace(c, preference=pref)
+    return list(out.values())

@@ -252,13 +252,16 @@ def build_task_from_user_yaml(
 
 
 def dry_run(task: Any, cluster_name: str) -> None:
-    """SkyPilot's own dry-run launch (optimizer + provisioning config, nothing
-    launched). It needs the catalog's images and quota tables, ``rsync``, and, with
-    no cloud credentials, spends about 45 s in AWS client retries."""
-    import sky
+    """SkyPilot's own dry-run launch, in this process: optimizer, provisioning config,
+    nothing launched. It runs SkyPilot's server-side ``sky.execution.launch``
+    directly, because the client SDK's ``sky.launch`` would start a local API server.
+    It needs the clouds enabled (``sky check``), the catalog's images and quota
+    tables and ``rsync``; with no credentials GCP finishes in seconds, while AWS
+    spends about 90 s retrying its client before it gives up on quotas."""
+    from sky import execution
 
     with _sky_errors(f"dry run of {cluster_name}"):
-        sky.get(sky.launch(task, cluster_name=cluster_name, dryrun=True))
+        execution.launch(task, cluster_name=cluster_name, dryrun=True, stream_logs=False)
 
 
 def _now() -> datetime:
