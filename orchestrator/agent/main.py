@@ -57,8 +57,9 @@ log = logging.getLogger("skyresume.agent")
 TOKEN_ENV = "SKYRESUME_AGENT_TOKEN"
 #: Grace for ``stop`` commands and for a superseded attempt (docs/agent.md).
 STOP_GRACE_S = 5.0
-#: How long the long-poll for commands waits per request.
-COMMAND_WAIT_S = 25.0
+#: How long the long-poll for commands waits per request. Short enough that a service
+#: shutting down gracefully (which waits for in-flight requests) is not held long.
+COMMAND_WAIT_S = 10.0
 #: Notice kinds that warn without ending the VM: logged, not acted on.
 ADVISORY_NOTICES = frozenset({"rebalance"})
 #: How long the agent tries to deliver its last reports before it exits anyway.

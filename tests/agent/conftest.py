@@ -91,12 +91,16 @@ class Service:
             return r.json()["items"]
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli", "serve"],
-            env=self.env,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        # Its log goes to a file: an unread pipe fills up and stalls the server.
+        self.home.mkdir(parents=True, exist_ok=True)
+        with (self.home.parent / "serve.log").open("a") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "orchestrator.cli", "serve"],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
@@ -105,14 +109,20 @@ class Service:
             except httpx.HTTPError:
                 time.sleep(0.1)
             if self.proc.poll() is not None:
-                raise RuntimeError(f"serve exited: {self.proc.stderr.read()}")  # type: ignore[union-attr]
+                log_text = (self.home.parent / "serve.log").read_text()
+                raise RuntimeError(f"serve exited: {log_text}")
         self.proc.kill()
         raise RuntimeError("serve did not become ready in 60 s")
 
-    def stop(self) -> None:
+    def stop(self, *, crash: bool = False) -> None:
+        """Terminate (or, with ``crash``, SIGKILL) the service. A graceful stop waits
+        for in-flight requests, agents' command long-polls included."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=15)
+            if crash:
+                self.proc.kill()
+            else:
+                self.proc.terminate()
+            self.proc.wait(timeout=40)
         self.proc = None
 
 
@@ -125,11 +135,16 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     env = {**os.environ, "SKYRESUME_HOME": str(home), "SKYRESUME_PORT": str(port)}
     env.pop("SKYRESUME_TOKEN", None)
     env.pop("SKYRESUME_DATABASE_URL", None)
+    # These tests drive attempts and commands by hand, as the reconciler would; a
+    # running reconciler would launch the test jobs and answer the test events.
+    env["SKYRESUME_RECONCILE"] = "0"
     svc = Service(f"http://127.0.0.1:{port}", "", home, env, None)
     svc.start()
     svc.token = (home / "token").read_text().strip()
     engine = make_engine(f"sqlite:///{home / 'skyresume.db'}")
     svc.sessionmaker = make_sessionmaker(engine)
     yield svc
-    svc.stop()
+    # Killed, not terminated: a graceful stop waits out the long-polls of agents that
+    # are gone (the app's HTTP middleware hides their disconnect from the route).
+    svc.stop(crash=True)
     engine.dispose()

@@ -175,7 +175,7 @@ def test_long_poll_does_not_block_other_requests(client, job):
     result: dict[str, Any] = {}
 
     def wait() -> None:
-        result["r"] = client.get(base(job) + "/commands", params={"wait": 3})
+        result["r"] = client.get(base(job) + "/commands", params={"wait": 2})
 
     t = threading.Thread(target=wait)
     t.start()
