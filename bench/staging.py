@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import shutil
 import socket
 import subprocess
@@ -70,11 +71,11 @@ def wait_up(url: str, proc: subprocess.Popen[bytes], name: str, timeout: float =
 
 
 @contextlib.contextmanager
-def subprocess_server(cmd: list[str], probe: str, name: str) -> Iterator[None]:
+def subprocess_server(cmd: list[str], probe: str, name: str) -> Iterator[int]:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_up(probe, proc, name)
-        yield
+        yield proc.pid
     finally:
         proc.terminate()
         try:
@@ -85,8 +86,8 @@ def subprocess_server(cmd: list[str], probe: str, name: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def backend(name: str) -> Iterator[tuple[str, dict[str, str]]]:
-    """Start the server; yield (bucket URI scheme, environment for our stores)."""
+def backend(name: str) -> Iterator[tuple[str, dict[str, str], int]]:
+    """Start the server; yield (URI scheme, environment for our stores, server pid)."""
     bindir = str(Path(sys.executable).parent)
     if name == "seaweedfs":
         from seaweedfs_server import SeaweedFS, SeaweedFSError
@@ -96,7 +97,8 @@ def backend(name: str) -> Iterator[tuple[str, dict[str, str]]]:
         except SeaweedFSError as e:
             sys.exit(f"error: seaweedfs: {e}")
         try:
-            yield "s3", sw.env()
+            assert sw.proc is not None
+            yield "s3", sw.env(), sw.proc.pid
         finally:
             sw.stop()
     elif name == "moto":
@@ -106,7 +108,7 @@ def backend(name: str) -> Iterator[tuple[str, dict[str, str]]]:
             [moto, "-H", "127.0.0.1", "-p", str(port)],
             f"http://127.0.0.1:{port}/moto-api/",
             "moto_server",
-        ):
+        ) as pid:
             yield (
                 "s3",
                 {
@@ -115,6 +117,7 @@ def backend(name: str) -> Iterator[tuple[str, dict[str, str]]]:
                     "AWS_DEFAULT_REGION": "us-east-1",
                     "SKYRESUME_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}",
                 },
+                pid,
             )
     elif name == "gcs-emulator":
         port = free_port()
@@ -123,19 +126,35 @@ def backend(name: str) -> Iterator[tuple[str, dict[str, str]]]:
             [exe, "start", "-H", "127.0.0.1", "--port", str(port), "--in-memory", "-q"],
             f"http://127.0.0.1:{port}/storage/v1/b",
             "gcp-storage-emulator",
-        ):
-            yield "gs", {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}"}
+        ) as pid:
+            yield "gs", {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}"}, pid
     else:
         raise AssertionError(name)
 
 
-def best_of(sides: dict[str, Callable[[], None]], repeat: int) -> dict[str, float]:
-    runs: dict[str, list[float]] = {k: [] for k in sides}
+def cpu_seconds(pid: int | None = None) -> float:
+    """CPU time (user + system) of this process (all threads) or of ``pid``."""
+    if pid is None:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def best_of(
+    sides: dict[str, Callable[[], None]], repeat: int, server_pid: int
+) -> dict[str, tuple[float, float, float]]:
+    """Each side's best run: (wall s, client CPU s, server CPU s)."""
+    runs: dict[str, list[tuple[float, float, float]]] = {k: [] for k in sides}
     for _ in range(repeat):
         for name, fn in sides.items():
-            t = time.perf_counter()
+            c0, s0, t = cpu_seconds(), cpu_seconds(server_pid), time.perf_counter()
             fn()
-            runs[name].append(time.perf_counter() - t)
+            wall = time.perf_counter() - t
+            runs[name].append((wall, cpu_seconds() - c0, cpu_seconds(server_pid) - s0))
     return {k: min(v) for k, v in runs.items()}
 
 
@@ -172,9 +191,10 @@ def main() -> None:
         knobs["workers"] = args.workers
     if args.part_mb is not None:
         knobs["part_size"] = args.part_mb << 20
+    load0 = os.getloadavg()[0]
     tmp = Path(tempfile.mkdtemp(prefix="skyresume-bench-", dir=args.tmp))
     try:
-        with backend(args.backend) as (scheme, env):
+        with backend(args.backend) as (scheme, env, server_pid):
             os.environ.update(env)
             uri = f"{scheme}://bench-bucket/run"
             if scheme == "s3":
@@ -240,11 +260,12 @@ def main() -> None:
                 sides["download_file"] = download_file
             sides["ours"] = ours
             sides["floor"] = floor
-            best = best_of(sides, args.repeat)
+            results = best_of(sides, args.repeat, server_pid)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
     mib = total / (1 << 20)
+    best = {k: v[0] for k, v in results.items()}
     baseline = "download_file" if "download_file" in best else "single_stream"
     labels = {
         "single_stream": "single stream GET per object",
@@ -252,15 +273,18 @@ def main() -> None:
         "ours": "stage_checkpoint (ours)",
         "floor": "local disk copy (floor)",
     }
+    workers = knobs.get("workers", _default("workers"))
+    part_mb = (knobs.get("part_size") or _default("part_size")) >> 20
     print(
         f"checkpoint: {args.files} files, {mib:.0f} MiB on {args.backend} "
-        f"(upload {upload_s:.1f} s); best of {args.repeat}; "
-        f"workers={knobs.get('workers', _default('workers'))} "
-        f"part={(knobs.get('part_size') or _default('part_size')) >> 20} MiB"
+        f"(upload {upload_s:.1f} s); best of {args.repeat}; workers={workers} "
+        f"part={part_mb} MiB; {os.cpu_count()} CPUs, load {load0:.1f} -> {os.getloadavg()[0]:.1f}"
     )
-    for side, secs in best.items():
-        extra = " (incl. sha256)" if side == "ours" else ""
-        print(f"{labels[side] + ':':32} {secs:7.2f} s  {mib / secs:8.1f} MiB/s{extra}")
+    print(f"{'':32} {'wall':>9}  {'throughput':>13}  CPU s (client + server)")
+    for side, (secs, ccpu, scpu) in results.items():
+        extra = "  (incl. sha256)" if side == "ours" else ""
+        cpu = f"{ccpu:5.2f} + {scpu:5.2f}" if side != "floor" else f"{ccpu:5.2f}"
+        print(f"{labels[side] + ':':32} {secs:7.2f} s  {mib / secs:8.1f} MiB/s  {cpu}{extra}")
     ours_s = best["ours"]
     ratios = {
         f"speedup_vs_{k}": round(best[k] / ours_s, 2) for k in best if k not in ("ours", "floor")
@@ -276,15 +300,20 @@ def main() -> None:
                 "backend": args.backend,
                 "files": args.files,
                 "mib": round(mib, 1),
-                "workers": knobs.get("workers", _default("workers")),
-                "part_mb": (knobs.get("part_size") or _default("part_size")) >> 20,
+                "workers": workers,
+                "part_mb": part_mb,
                 "repeat": args.repeat,
                 "cpus": os.cpu_count(),
+                "load_before": round(load0, 2),
                 **{f"{k}_s": round(v, 3) for k, v in best.items()},
+                **{
+                    f"{k}_cpu_s": round(c + (sv if k != "floor" else 0.0), 2)
+                    for k, (_, c, sv) in results.items()
+                },
                 **ratios,
                 "ours_over_floor": round(ours_s / best["floor"], 2),
-                "ratio": ratios[f"speedup_vs_{baseline}"],
                 "baseline": baseline,
+                "ratio": ratios[f"speedup_vs_{baseline}"],
             }
         )
     )

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import random
 import shutil
 import threading
 import time
@@ -409,8 +410,18 @@ def file_sha256(path: str, chunk: int = 4 << 20) -> str:
     return h.hexdigest()
 
 
+# Retries around each range or shard, on top of the SDK's own (botocore retries a
+# refused connection within ~3 s). Together they ride out a storage endpoint that
+# restarts or a network that drops for up to ~20 s: 0.5 + 1 + 2 + 4 + 8 s of waits.
+RETRY_ATTEMPTS = 6
+RETRY_BACKOFF_S = 0.5
+
+
 def _retry(fn: Callable[[], Any], what: str, attempts: int, backoff: float) -> Any:
-    """Retry transient failures; a missing object or bucket is final at once."""
+    """Retry transient failures; a missing object or bucket is final at once.
+
+    Waits ``backoff * 2**i``, each stretched by up to a half at random, so ranges
+    that failed together do not all come back at the same instant."""
     for i in range(attempts):
         try:
             return fn()
@@ -421,7 +432,7 @@ def _retry(fn: Callable[[], Any], what: str, attempts: int, backoff: float) -> A
                 if isinstance(e, StorageError):
                     raise
                 raise StorageError(f"{what}: {type(e).__name__}: {e}") from None
-            time.sleep(backoff * (2**i))
+            time.sleep(backoff * (2**i) * (1 + random.random() / 2))
     raise AssertionError("unreachable")
 
 
@@ -468,8 +479,8 @@ def download_ranges(
     *,
     workers: int = 16,
     part_size: int = 16 << 20,
-    attempts: int = 4,
-    backoff: float = 0.2,
+    attempts: int = RETRY_ATTEMPTS,
+    backoff: float = RETRY_BACKOFF_S,
     on_bytes: Callable[[int], None] | None = None,
     on_file: Callable[[str, str], None] | None = None,
 ) -> None:
@@ -758,7 +769,12 @@ def upload_checkpoint(local_step_dir: str, uri: str, *, workers: int = 16) -> Ch
         path = src / f.path
         if not path.is_file() or path.stat().st_size != f.size:
             raise StorageError(f"{path}: missing or not {f.size} bytes as the manifest says")
-        _retry(lambda: store.put_file(str(path), _join(key, f.path)), str(path), 4, 0.2)
+        _retry(
+            lambda: store.put_file(str(path), _join(key, f.path)),
+            str(path),
+            RETRY_ATTEMPTS,
+            RETRY_BACKOFF_S,
+        )
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for fut in [pool.submit(put, f) for f in manifest.files]:

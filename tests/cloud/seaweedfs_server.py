@@ -19,7 +19,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -70,6 +69,7 @@ class SeaweedFS:
         self.workdir = Path(tempfile.mkdtemp(prefix="skyresume-seaweedfs-"))
         self.ports: dict[str, int] = {}
         self.proc: subprocess.Popen[bytes] | None = None
+        self._cmd: list[str] = []
         self.endpoint = ""
 
     def _command(self) -> list[str]:
@@ -100,6 +100,8 @@ class SeaweedFS:
             "-ip=127.0.0.1",
             "-ip.bind=127.0.0.1",
             "-master.telemetry=false",
+            # A restarted master that resumes its raft state waits ~15 s for an election.
+            "-master.resumeState=false",
             f"-master.port={p['master']}",
             f"-master.port.grpc={p['master.grpc']}",
             f"-master.volumeSizeLimitMB={self.volume_size_mb}",
@@ -148,9 +150,24 @@ class SeaweedFS:
         }
 
     def start(self) -> SeaweedFS:
-        cmd = self._command()
+        self._launch(self._command())
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL the server, as a crashed node would; its data stays for restart()."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def restart(self) -> None:
+        """Start again on the same ports and data (after kill())."""
+        assert self.proc is not None and self.proc.poll() is not None, "still running"
+        self._launch(self._cmd)
+
+    def _launch(self, cmd: list[str]) -> None:
+        self._cmd = cmd
         self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
-        with open(self.workdir / "weed.log", "wb") as log:
+        with open(self.workdir / "weed.log", "ab") as log:
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
             )
@@ -172,7 +189,7 @@ class SeaweedFS:
                 c.put_object(Bucket=probe, Key="ready", Body=b"ok")
                 c.delete_object(Bucket=probe, Key="ready")
                 c.delete_bucket(Bucket=probe)
-                return self
+                return
             except Exception as e:  # not up yet
                 last = e
                 time.sleep(0.25)
@@ -183,13 +200,9 @@ class SeaweedFS:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            # Its data is throwaway; a graceful stop takes over 10 s, so SIGKILL soon.
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(2)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+            # Its data is throwaway and a graceful stop takes over 10 s: SIGKILL.
+            self.proc.kill()
+            self.proc.wait(10)
         for port in self.ports.values():
             for path in glob.glob(_SOCKET_GLOB.format(port=port)):
                 os.unlink(path)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -153,3 +155,46 @@ def test_a_lone_corrupted_checkpoint_is_an_error_naming_the_file(
     store.put_bytes("run1/step_100/__0_0.distcp", b"\0" * 70_000)
     with pytest.raises(StorageError, match=r"step 100: run1/step_100/__0_0\.distcp: sha256"):
         stage_checkpoint(uri, str(tmp_path / "stage"), workers=4, part_size=128 * 1024)
+
+
+def test_server_killed_mid_stage_comes_back_and_the_stage_completes(
+    seaweedfs: SeaweedFS, bucket: str, tmp_path: Path
+) -> None:
+    """The S3 server is SIGKILLed a third of the way through a stage and restarted on
+    the same ports and data ~0.5 s later (it answers again ~4 s after the kill): the
+    ranges that failed are retried, and the stage finishes with every file
+    verified, not skipped and not partial."""
+    uri = f"s3://{bucket}/run1"
+    content = {f"__{r}_0.distcp": os.urandom(400_000) for r in range(6)}
+    upload_checkpoint(str(make_local_checkpoint(tmp_path / "src", 100, content)), uri)
+    restarts: list[threading.Thread] = []
+    restart_errors: list[Exception] = []
+
+    def restart() -> None:
+        time.sleep(0.5)
+        try:
+            seaweedfs.restart()
+        except Exception as e:
+            restart_errors.append(e)
+
+    def on_progress(done: int, total: int) -> None:
+        if not restarts and done >= total // 3:
+            seaweedfs.kill()
+            restarts.append(threading.Thread(target=restart))
+            restarts[0].start()
+
+    try:
+        staged = stage_checkpoint(
+            uri, str(tmp_path / "stage"), workers=2, part_size=64 * 1024, on_progress=on_progress
+        )
+    except StorageError as e:
+        pytest.fail(f"{e}\n--- server log ---\n{seaweedfs._log_tail()}")
+    finally:
+        for t in restarts:
+            t.join()
+    assert restarts, "the server was never killed"
+    assert not restart_errors, restart_errors
+    assert staged.step == 100 and not staged.skipped
+    assert staged.downloaded_bytes == sum(len(b) for b in content.values())
+    for rel, data in content.items():
+        assert (Path(staged.path) / rel).read_bytes() == data, rel
