@@ -75,6 +75,15 @@ def _text(x: float, y: float, s: str, anchor: str = "start", cls: str = "") -> s
     return f'<text x="{_n(x)}" y="{_n(y)}" text-anchor="{anchor}"{c}>{escape(s)}</text>'
 
 
+def _clipped_label(x: float, y: float, s: str, max_chars: int) -> str:
+    """A right-aligned label cut to ``max_chars`` (the whole of it in the tooltip)."""
+    shown = s if len(s) <= max_chars else s[: max_chars - 1] + "\u2026"
+    return (
+        f'<text x="{_n(x)}" y="{_n(y)}" text-anchor="end" class="label">'
+        f"<title>{escape(s)}</title>{escape(shown)}</text>"
+    )
+
+
 def _svg(width: float, height: float, body: list[str], label: str, chart_id: str) -> Markup:
     return Markup(
         f'<svg xmlns="http://www.w3.org/2000/svg" id="{chart_id}" class="chart" '
@@ -119,13 +128,13 @@ def mttr_chart(rows: Sequence[MttrRow], width: int = 760) -> Markup:
     order, then (grey) any part of the MTTR no step covers. Bars share one scale so
     incidents compare at a glance."""
     label_w, bar_h, gap, top = 190.0, 18.0, 8.0, 6.0
-    plot_w = width - label_w - 70
+    plot_w = width - label_w - 100  # room for "27.8 min so far" after the longest bar
     longest = max((max(r.mttr_seconds, sum(r.step_seconds.values())) for r in rows), default=0)
     scale = plot_w / longest if longest > 0 else 0.0
     body: list[str] = []
     y = top
     for r in rows:
-        body.append(_text(label_w - 8, y + bar_h - 5, r.label, "end", "label"))
+        body.append(_clipped_label(label_w - 8, y + bar_h - 5, r.label, 27))
         x = label_w
         for step in STEP_COLOURS:
             s = r.step_seconds.get(step)
