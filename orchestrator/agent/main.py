@@ -99,6 +99,9 @@ class AgentConfig:
     poll_s: float = 1.0
     launcher: str = "torchrun"
     final_flush_s: float = FINAL_FLUSH_S
+    notice_action: str = "sigterm"
+    """``sigterm``: act on a notice locally, then report. ``report``: only report it and
+    wait for the service's command (the service round trip; the fan-out bench's baseline)."""
 
     @property
     def world_size(self) -> int:
@@ -148,6 +151,13 @@ def parse_args(argv: list[str]) -> AgentConfig:
     p.add_argument("--poll-s", type=float, default=1.0, help="metadata poll interval")
     p.add_argument("--launcher", default="torchrun", choices=["torchrun", "direct"])
     p.add_argument("--final-flush-s", type=float, default=FINAL_FLUSH_S)
+    p.add_argument(
+        "--notice-action",
+        default="sigterm",
+        choices=["sigterm", "report"],
+        help="on a notice: SIGTERM the ranks at once (default), or only report it and wait "
+        "for the service's command (a baseline for bench/fanout.py)",
+    )
     a = p.parse_args(flags)
     if not command:
         raise UsageError("no command: put the rank command after --, e.g. -- python train.py")
@@ -192,6 +202,7 @@ def parse_args(argv: list[str]) -> AgentConfig:
         poll_s=a.poll_s,
         launcher=a.launcher,
         final_flush_s=a.final_flush_s,
+        notice_action=a.notice_action,
     )
 
 
@@ -616,7 +627,11 @@ class Agent:
         if notice.deadline is not None:
             left = (notice.deadline - datetime.now(UTC)).total_seconds()
             grace = max(1.0, min(grace, left))
-        self.begin_stop(f"preemption notice: {notice.provider.value} {notice.kind.value}", grace)
+        what = f"preemption notice: {notice.provider.value} {notice.kind.value}"
+        if self.cfg.notice_action == "sigterm":
+            self.begin_stop(what, grace)
+        else:
+            log.warning("%s: reported only; waiting for the service's command", what)
         deadline = notice.deadline.isoformat() if notice.deadline else None
         self.report(
             "preemption_notice",
