@@ -1,0 +1,425 @@
+"""The SkyPilot launcher: real ``sky.Task`` / ``sky.Resources`` built from the templates
+and from users' SkyPilot YAMLs, the run section executed by bash, the SDK's request-id
+flow against a recording fake, and SkyPilot's own dry run where it runs offline."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator.contract import Env
+from orchestrator.domain.plan import Placement, TrainingKnobs
+from orchestrator.domain.spec import TaskSpec, validate_job_spec
+from orchestrator.launchers.base import ClusterState, LaunchError, LaunchHandle, LaunchRequest
+from orchestrator.launchers.skypilot import (
+    TEMPLATES_DIR,
+    SkyPilotLauncher,
+    TaskRejected,
+    build_task,
+    build_task_from_user_yaml,
+    cluster_name_for,
+    dry_run,
+    status_from_records,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::Warning:sky")
+
+YAMLS = Path(__file__).parent / "yamls"
+
+P4D = Placement(
+    cloud="aws",
+    region="us-west-2",
+    instance_type="p4d.24xlarge",
+    accelerator="A100",
+    accelerator_count=8,
+    num_nodes=2,
+    spot=True,
+    gpu_memory_gib=40.0,
+    price_per_node_hour=10.84,
+    knobs=TrainingKnobs(2, 16, 1),
+)
+A2 = Placement(
+    cloud="gcp",
+    region="us-central1",
+    instance_type="a2-highgpu-8g",
+    accelerator="A100",
+    accelerator_count=8,
+    num_nodes=2,
+    spot=True,
+)
+
+
+def request(placement=P4D, **kw):
+    return LaunchRequest(
+        job_id="j-0a1b2c3d4e",
+        attempt=3,
+        placement=placement,
+        command=kw.pop("command", "python -m training.examples.train_gpt --max-steps 200"),
+        env={
+            Env.SERVICE_URL: "http://10.0.0.5:8470",
+            Env.CHECKPOINT_URI: "s3://bucket/ckpt",
+            Env.RESUME_FROM: "{node_disk}/staged/step_300",
+            Env.EXPECTED_STEP: "300",
+        },
+        ranks_per_node=8,
+        grace_s=120.0,
+        **kw,
+    )
+
+
+def only(resources):
+    (r,) = list(resources)
+    return r
+
+
+@pytest.mark.parametrize("template", ["skypilot-gpu", "gpt-cpu"])
+def test_templates_render_into_a_pinned_valid_task(sky, template):
+    task = build_task(request(), template=template, token="tok-123")
+    assert isinstance(task, sky.Task)
+    assert task.name == "sr-j-0a1b2c3d4e-a3" and task.num_nodes == 2
+    r = only(task.resources)
+    assert isinstance(r, sky.Resources)
+    assert (str(r.cloud), r.region, r.instance_type, r.use_spot) == (
+        "AWS",
+        "us-west-2",
+        "p4d.24xlarge",
+        True,
+    )
+    assert r.accelerators == {"A100": 8}
+    env = task.envs
+    assert env[Env.SERVICE_URL] == "http://10.0.0.5:8470"
+    assert env[Env.JOB_ID] == "j-0a1b2c3d4e" and env[Env.ATTEMPT] == "3"
+    assert (env[Env.MICRO_BATCH], env[Env.GRAD_ACCUM], env[Env.ACTIVATION_CHECKPOINT_EVERY]) == (
+        "2",
+        "16",
+        "1",
+    )
+    assert env["SKYRESUME_PROVIDER"] == "aws"
+    assert env["SKYRESUME_METADATA_URL"] == "http://169.254.169.254"
+    assert env["SKYRESUME_GRACE_S"] == "120"
+    # the token is a secret, never an env or argv, and not in the YAML SkyPilot keeps
+    assert "SKYRESUME_AGENT_TOKEN" not in env
+    assert task.secrets["SKYRESUME_AGENT_TOKEN"].get_secret_value() == "tok-123"
+    assert "tok-123" not in (task._user_specified_yaml or "")
+    assert task.run.lstrip().startswith("set -euo pipefail")
+    assert "exec skyresume-agent" in task.run
+
+
+def test_gcp_placement_polls_gcp_metadata(sky):
+    task = build_task(request(A2))
+    r = only(task.resources)
+    assert (str(r.cloud), r.region, r.instance_type) == ("GCP", "us-central1", "a2-highgpu-8g")
+    assert task.envs["SKYRESUME_METADATA_URL"] == "http://metadata.google.internal"
+
+
+def _run_section(task, tmp_path: Path, rank: int) -> list[str]:
+    """Run the task's run section in bash as SkyPilot would on node ``rank``, with a
+    fake skyresume-agent on PATH that records its argv and environment."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    agent = bindir / "skyresume-agent"
+    agent.write_text(
+        '#!/bin/bash\nprintf "%s\\0" "$@" > "$OUT/argv"\nenv > "$OUT/env"\n'
+    )
+    agent.chmod(0o755)
+    env = {
+        "PATH": f"{bindir}:/usr/bin:/bin",
+        "HOME": str(tmp_path / "home"),
+        "OUT": str(tmp_path),
+        "SKYPILOT_NODE_RANK": str(rank),
+        "SKYPILOT_NODE_IPS": "10.0.0.11\n10.0.0.12",
+        "SKYPILOT_NUM_NODES": "2",
+        "SKYPILOT_NUM_GPUS_PER_NODE": "8",
+        **task.envs,
+        **{k: v.get_secret_value() for k, v in task.secrets.items()},
+    }
+    subprocess.run(["bash", "-c", task.run], env=env, check=True, timeout=30)
+    return (tmp_path / "argv").read_text().split("\0")[:-1]
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_run_section_starts_the_agent_with_skypilots_node_facts(sky, tmp_path):
+    task = build_task(request(command="python train.py --lr '3e-4 warm' --steps 10"), token="tok")
+    argv = _run_section(task, tmp_path, rank=1)
+
+    def opt(name):
+        return argv[argv.index(name) + 1]
+
+    assert opt("--node-rank") == "1" and opt("--nnodes") == "2"
+    assert opt("--nproc-per-node") == "8"
+    assert opt("--master-addr") == "10.0.0.11"  # the first of SKYPILOT_NODE_IPS
+    assert opt("--node-id") == "j-0a1b2c3d4e-a3-n1"
+    assert opt("--job-id") == "j-0a1b2c3d4e" and opt("--attempt") == "3"
+    assert opt("--service-url") == "http://10.0.0.5:8470"
+    assert opt("--provider") == "aws" and opt("--metadata-url") == "http://169.254.169.254"
+    assert opt("--grace-s") == "120"
+    # the user's command after "--", split like shlex.split (quotes kept together)
+    assert argv[argv.index("--") + 1 :] == [
+        "python",
+        "train.py",
+        "--lr",
+        "3e-4 warm",
+        "--steps",
+        "10",
+    ]
+    env = dict(
+        line.split("=", 1) for line in (tmp_path / "env").read_text().splitlines() if "=" in line
+    )
+    assert env[Env.RESUME_FROM] == f"{tmp_path}/home/skyresume/node/staged/step_300"
+    assert env["SKYRESUME_AGENT_TOKEN"] == "tok"  # from secrets, not argv
+    assert "tok" not in argv
+
+
+def test_cpu_nodes_fall_back_to_ranks_per_node(sky, tmp_path):
+    task = build_task(request(), template="gpt-cpu")
+    argv = _run_section_cpu(task, tmp_path)
+    assert argv[argv.index("--nproc-per-node") + 1] == "8"  # ranks_per_node
+
+
+def _run_section_cpu(task, tmp_path):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "skyresume-agent").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$OUT/argv"\n')
+    (bindir / "skyresume-agent").chmod(0o755)
+    env = {
+        "PATH": f"{bindir}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "OUT": str(tmp_path),
+        "SKYPILOT_NODE_RANK": "0",
+        "SKYPILOT_NODE_IPS": "10.0.0.11",
+        "SKYPILOT_NUM_NODES": "1",
+        "SKYPILOT_NUM_GPUS_PER_NODE": "0",
+        **task.envs,
+    }
+    subprocess.run(["bash", "-c", task.run], env=env, check=True, timeout=30)
+    return (tmp_path / "argv").read_text().splitlines()
+
+
+def test_user_yaml_any_of_is_kept_and_pinned(sky):
+    # as SkyPilot reads it: three options, and the memory form expands to A100/A100-80GB/H100
+    original = sky.Task.from_yaml(str(YAMLS / "any_of.yaml"))
+    assert len(original.resources) == 9 and original.num_nodes == 2
+    task = build_task_from_user_yaml(YAMLS / "any_of.yaml", request(), token="t")
+    r = only(task.resources)
+    assert (str(r.cloud), r.region, r.instance_type) == ("AWS", "us-west-2", "p4d.24xlarge")
+    assert task.num_nodes == 2
+    assert task.envs["MODEL"] == "llama-7b"  # the user's envs survive
+    assert task.file_mounts == {"/data": "s3://my-bucket/data"}
+    assert "pip install -r requirements.txt" in task.setup
+    # the user's run, SKYPILOT_* variables and all, becomes the agent's command
+    assert task.envs["SKYRESUME_COMMAND"].startswith("bash -c ")
+    assert "$SKYPILOT_NODE_RANK" in task.envs["SKYRESUME_COMMAND"]
+    assert "exec skyresume-agent" in task.run
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_user_run_reaches_the_agent_as_one_bash_command(sky, tmp_path):
+    task = build_task_from_user_yaml(YAMLS / "ordered.yaml", request(A2))
+    argv = _run_section(task, tmp_path, rank=0)
+    cmd = argv[argv.index("--") + 1 :]
+    assert cmd[:2] == ["bash", "-c"] and len(cmd) == 3
+    assert 'echo "node $SKYPILOT_NODE_RANK of $SKYPILOT_NUM_NODES' in cmd[2]
+
+
+def test_user_yaml_ordered_becomes_options_in_order(sky):
+    from orchestrator.launchers.catalog import demand_from_task
+
+    task = sky.Task.from_yaml(str(YAMLS / "ordered.yaml"))
+    assert isinstance(task.resources, list)
+    d = demand_from_task(task)
+    assert d.num_nodes == 4 and d.spot
+    assert d.options == (
+        ("A100-80GB:8", ("gcp",), ("gcp/us-central1",), 0),
+        ("A100:8", ("aws",), (), 1),
+    )
+
+
+@pytest.mark.parametrize(
+    "name,message",
+    [
+        ("bad_field.yaml", "did you mean 'resources'"),
+        ("bad_accelerator_count.yaml", "Found: 'A100:eight'"),
+        ("bad_region.yaml", "Invalid region 'mars-north-1'"),
+        ("no_run.yaml", "no run section"),
+    ],
+)
+def test_yaml_skypilot_rejects_is_refused_with_its_reason_and_never_launched(sky, name, message):
+    sdk = RecordingSdk(sky)
+    launcher = SkyPilotLauncher(sdk=sdk)
+    with pytest.raises(TaskRejected, match="SkyPilot task .*" + name) as e:
+        launcher.launch(request(), TaskSpec(skypilot_yaml=str(YAMLS / name)))
+    assert message in str(e.value)
+    assert sdk.calls == []
+
+
+def test_bad_templates_and_commands_are_refused(sky):
+    with pytest.raises(TaskRejected, match=r"no task template 'nope'.*skypilot-gpu"):
+        build_task(request(), template="nope")
+    with pytest.raises(TaskRejected, match="plain file name"):
+        build_task(request(), template="../etc/passwd")
+    with pytest.raises(TaskRejected, match="no command"):
+        build_task(request(command="  "))
+    bad = Placement("aws", "us-west-2", "p9.huge", "A100", 8, 1, True)
+    with pytest.raises(TaskRejected, match=r"p9\.huge"):
+        build_task(request(bad))
+
+
+def test_cluster_names_are_valid_for_skypilot_and_unique_per_attempt(sky):
+    names = {cluster_name_for("j-0a1b2c3d4e", a) for a in (1, 2, 10)}
+    assert len(names) == 3
+    long = cluster_name_for("J_" + "x" * 80, 12)
+    assert len(long) <= 35 and long.endswith("-a12") and long.startswith("sr-j-")
+    from sky.utils import common_utils
+
+    for n in [*names, long]:
+        common_utils.check_cluster_name_is_valid(n)
+
+
+class RecordingSdk:
+    """The SDK surface the launcher uses, recording calls; answers like the real
+    client (request ids, then ``get``). Real exceptions come from ``sky.exceptions``."""
+
+    def __init__(self, sky, clusters=None, fail_launch=None):
+        self.sky = sky
+        self.calls: list[tuple] = []
+        self.clusters = dict(clusters or {})
+        self.fail_launch = fail_launch
+
+    def launch(self, task, **kw):
+        self.calls.append(("launch", task, kw))
+        return ("launch", task, kw)
+
+    def status(self, cluster_names=None, **kw):
+        self.calls.append(("status", tuple(cluster_names or ())))
+        return ("status", cluster_names)
+
+    def down(self, name, **kw):
+        self.calls.append(("down", name))
+        return ("down", name)
+
+    def get(self, rid):
+        kind = rid[0]
+        if kind == "launch":
+            if self.fail_launch:
+                raise self.fail_launch
+            self.clusters[rid[2]["cluster_name"]] = "UP"
+            return (1, object())
+        if kind == "status":
+            return [
+                {"name": n, "status": self.sky.ClusterStatus(self.clusters[n])}
+                for n in rid[1]
+                if n in self.clusters
+            ]
+        if rid[1] not in self.clusters:
+            raise self.sky.exceptions.ClusterDoesNotExist(f"Cluster {rid[1]!r} does not exist.")
+        del self.clusters[rid[1]]
+        return None
+
+
+def test_launch_status_down_through_request_ids(sky):
+    sdk = RecordingSdk(sky)
+    launcher = SkyPilotLauncher(sdk=sdk, token_for=lambda job: f"token-of-{job}")
+    handle = launcher.launch(request())
+    assert handle == LaunchHandle(
+        "sr-j-0a1b2c3d4e-a3", "skypilot", ("j-0a1b2c3d4e-a3-n0", "j-0a1b2c3d4e-a3-n1")
+    )
+    launches = [c for c in sdk.calls if c[0] == "launch"]
+    assert len(launches) == 1
+    _, task, kw = launches[0]
+    assert kw == {
+        "cluster_name": "sr-j-0a1b2c3d4e-a3",
+        "retry_until_up": False,
+        "idle_minutes_to_autostop": None,
+        "down": False,
+    }
+    assert task.secrets["SKYRESUME_AGENT_TOKEN"].get_secret_value() == "token-of-j-0a1b2c3d4e"
+    assert launcher.status(handle).state is ClusterState.UP
+    # launching again (a service restarted mid-launch) does not launch twice
+    launcher.launch(request())
+    assert len([c for c in sdk.calls if c[0] == "launch"]) == 1
+    launcher.down(handle)
+    assert launcher.status(handle).state is ClusterState.DOWN
+    launcher.down(handle)  # already gone: still fine
+
+
+def test_a_failed_launch_is_a_launch_error_naming_the_placement(sky):
+    err = sky.exceptions.ResourcesUnavailableError("Failed to acquire resources in us-west-2")
+    launcher = SkyPilotLauncher(sdk=RecordingSdk(sky, fail_launch=err))
+    with pytest.raises(LaunchError, match=r"aws/us-west-2 p4d\.24xlarge: Failed to acquire"):
+        launcher.launch(request())
+
+
+def test_an_unreadable_provider_is_unknown_never_down(sky):
+    class Broken(RecordingSdk):
+        def get(self, rid):
+            raise ConnectionError("API server unreachable")
+
+    launcher = SkyPilotLauncher(sdk=Broken(sky))
+    st = launcher.status(LaunchHandle("sr-x-a1", "skypilot"))
+    assert st.state is ClusterState.UNKNOWN and "unreachable" in st.detail
+
+
+def test_status_mapping(sky):
+    h = LaunchHandle("c", "skypilot", ("n0",))
+    rec = lambda s: [{"name": "c", "status": sky.ClusterStatus(s)}]  # noqa: E731
+    assert status_from_records(h, rec("UP")).state is ClusterState.UP
+    assert status_from_records(h, rec("INIT")).state is ClusterState.LAUNCHING
+    assert status_from_records(h, rec("STOPPED")).state is ClusterState.DOWN
+    assert status_from_records(h, []).state is ClusterState.DOWN
+
+
+def test_placement_for_uses_the_catalog_and_names_why_nothing_fits(sky):
+    launcher = SkyPilotLauncher()
+    doc = {
+        "name": "t",
+        "task": {"template": "skypilot-gpu", "command": "python train.py"},
+        "num_nodes": 2,
+        "accelerators": ["A100:8"],
+        "checkpoint": {"uri": "s3://bucket/c"},
+    }
+    p = launcher.placement_for(validate_job_spec(doc))
+    assert (p.cloud, p.region, p.instance_type) == ("gcp", "us-central1", "a2-highgpu-8g")
+    ddp_7b = {
+        "parameters": 7_000_000_000,
+        "layers": 32,
+        "hidden_size": 4096,
+        "heads": 32,
+        "seq_len": 4096,
+        "global_batch": 512,
+        "micro_batch": 4,
+        "sharding": "ddp",
+    }
+    with pytest.raises(LaunchError, match=r"4 by fit .*does not fit a 40 GiB GPU"):
+        launcher.placement_for(validate_job_spec({**doc, "model": ddp_7b}))
+    with pytest.raises(LaunchError, match="'B300' is not offered"):
+        launcher.placement_for(validate_job_spec({**doc, "accelerators": ["B300:8"]}))
+
+
+def test_job_example_renders_with_its_template(sky):
+    spec_doc = yaml.safe_load((TEMPLATES_DIR / "job.example.yaml").read_text())
+    spec = validate_job_spec(spec_doc)
+    launcher = SkyPilotLauncher()
+    placement = launcher.placement_for(spec)
+    assert placement.knobs is not None  # the example has a model profile
+    task = launcher.build(request(placement, command=spec.task.command), spec.task)
+    assert task.num_nodes == placement.num_nodes
+
+
+def test_dry_run_on_gcp_runs_offline(sky, enabled_clouds, caplog):
+    """SkyPilot's own dry-run launch (optimizer, provisioning config) with the test
+    catalog and no credentials: nothing is launched, nothing reaches the network."""
+    task = build_task(request(A2))
+    dry_run(task, "sr-j-0a1b2c3d4e-a3")
+    out = caplog.text
+    assert "a2-highgpu-8g[Spot]" in out and "Dryrun finished" in out
+
+
+@pytest.mark.long
+def test_dry_run_on_aws_runs_offline(sky, enabled_clouds, caplog):
+    """The AWS path spends ~90 s retrying its client without credentials."""
+    dry_run(build_task(request()), "sr-j-0a1b2c3d4e-a3")
+    assert "p4d.24xlarge[Spot]" in caplog.text
