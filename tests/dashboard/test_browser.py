@@ -4,6 +4,7 @@ the app served by uvicorn on loopback. Never downloads a browser: without
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -19,6 +20,8 @@ CHROMIUM = Path("/usr/bin/chromium")
 @pytest.fixture(scope="module")
 def chromium():  # type: ignore[no-untyped-def]
     if not CHROMIUM.exists():
+        if os.environ.get("SKYRESUME_REQUIRE_BROWSER") == "1":  # CI: scripts/test installs it
+            pytest.fail(f"{CHROMIUM} is required (SKYRESUME_REQUIRE_BROWSER=1) but missing")
         pytest.skip(
             f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium); "
             "Playwright's own browser download is not used"
