@@ -284,18 +284,32 @@ def detect(s: JobSnapshot, a: AttemptView, cfg: ReconcileConfig) -> RecordFailur
                 f"node {node.node_id} sent no heartbeat for {hb:.0f} s "
                 f"(timeout {s.heartbeat_timeout_s:.0f} s)",
             )
-        if a.validated_step is not None:
-            for r in node.ranks:
-                silent = (r.report_age_s or 0.0) + hb
-                if r.report_age_s is not None and silent > s.heartbeat_timeout_s:
-                    return RecordFailure(
-                        "rank_hang",
-                        _F.NCCL_TIMEOUT,
-                        node.node_id,
-                        f"rank {r.rank} on {node.node_id} made no progress for {silent:.0f} s "
-                        f"(timeout {s.heartbeat_timeout_s:.0f} s): hung in a collective?",
-                        rank=r.rank,
-                    )
+    if a.validated_step is not None:
+        # A frozen rank stalls every peer at its next collective, so all go silent
+        # together; name them all, the one silent longest first.
+        silent = sorted(
+            (
+                ((r.report_age_s or 0.0) + _age(s.now, n.last_heartbeat_at), r.rank, n.node_id)
+                for n in a.nodes
+                if not n.exited
+                for r in n.ranks
+                if r.report_age_s is not None
+            ),
+            reverse=True,
+        )
+        stalled = [x for x in silent if x[0] > s.heartbeat_timeout_s]
+        if stalled:
+            age, rank, node_id = stalled[0]
+            others = ", ".join(str(x[1]) for x in stalled[1:])
+            return RecordFailure(
+                "rank_hang",
+                _F.NCCL_TIMEOUT,
+                node_id,
+                f"rank {rank} on {node_id} made no progress for {age:.0f} s "
+                f"(timeout {s.heartbeat_timeout_s:.0f} s): hung in a collective?"
+                + (f" Also silent: ranks {others}." if others else ""),
+                rank=rank,
+            )
     if _age(s.now, a.started_at) > cfg.register_timeout_s:
         for k in range(a.num_nodes):
             if k not in seen:
