@@ -132,16 +132,31 @@ def backend(name: str) -> Iterator[tuple[str, dict[str, str], int]]:
         raise AssertionError(name)
 
 
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (servers that run their work in a child)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                todo.extend(int(c) for c in task.read_text().split())
+    return out
+
+
 def cpu_seconds(pid: int | None = None) -> float:
-    """CPU time (user + system) of this process (all threads) or of ``pid``."""
+    """CPU time (user + system) of this process (all threads), or of ``pid``'s tree."""
     if pid is None:
         r = resource.getrusage(resource.RUSAGE_SELF)
         return r.ru_utime + r.ru_stime
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for p in _tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def best_of(
