@@ -47,8 +47,15 @@ def seed_runtime_dir(root: Path, catalog: Path = CATALOG) -> Path:
 
 
 @pytest.fixture(scope="package")
-def sky_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def sky_home(
+    tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
+) -> Iterator[Path]:
     root = seed_runtime_dir(tmp_path_factory.mktemp("skyhome"))
+    # A dry run packages SkyPilot itself as a wheel (5-20 s) into ~/.sky/wheels;
+    # keep that one artifact in pytest's cache so later runs reuse it.
+    cache = getattr(pytestconfig, "cache", None)
+    if cache is not None:
+        (root / ".sky" / "wheels").symlink_to(cache.mkdir("sky-wheels"))
     saved = {k: os.environ.get(k) for k in ("SKY_RUNTIME_DIR", "HOME")}
     os.environ["SKY_RUNTIME_DIR"] = str(root)
     os.environ["HOME"] = str(root)
@@ -70,10 +77,9 @@ def sky_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.fixture(scope="package")
 def sky(sky_home: Path):  # type: ignore[no-untyped-def]
     import sky as sky_module
-
     from sky.catalog import common
 
-    assert common._ABSOLUTE_VERSIONED_CATALOG_DIR == str(sky_home / ".sky" / "catalogs" / "v8")
+    assert str(sky_home / ".sky" / "catalogs" / "v8") == common._ABSOLUTE_VERSIONED_CATALOG_DIR
     return sky_module
 
 
@@ -82,9 +88,7 @@ def enabled_clouds(sky, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-unt
     from sky import clouds
 
     enabled = [clouds.AWS(), clouds.GCP()]
-    monkeypatch.setattr(
-        "sky.check.get_cached_enabled_clouds_or_refresh", lambda *_a, **_k: enabled
-    )
+    monkeypatch.setattr("sky.check.get_cached_enabled_clouds_or_refresh", lambda *_a, **_k: enabled)
     monkeypatch.setattr("sky.check.check", lambda *_a, **_k: None)
     return enabled
 

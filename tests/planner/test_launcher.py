@@ -122,9 +122,7 @@ def _run_section(task, tmp_path: Path, rank: int) -> list[str]:
     bindir = tmp_path / "bin"
     bindir.mkdir(exist_ok=True)
     agent = bindir / "skyresume-agent"
-    agent.write_text(
-        '#!/bin/bash\nprintf "%s\\0" "$@" > "$OUT/argv"\nenv > "$OUT/env"\n'
-    )
+    agent.write_text('#!/bin/bash\nprintf "%s\\0" "$@" > "$OUT/argv"\nenv > "$OUT/env"\n')
     agent.chmod(0o755)
     env = {
         "PATH": f"{bindir}:/usr/bin:/bin",
@@ -409,6 +407,7 @@ def test_job_example_renders_with_its_template(sky):
     assert task.num_nodes == placement.num_nodes
 
 
+@pytest.mark.slow
 def test_dry_run_on_gcp_runs_offline(sky, enabled_clouds, caplog):
     """SkyPilot's own dry-run launch (optimizer, provisioning config) with the test
     catalog and no credentials: nothing is launched, nothing reaches the network."""
