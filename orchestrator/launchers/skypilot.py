@@ -314,13 +314,22 @@ class SkyPilotLauncher:
         from orchestrator.launchers.catalog import (
             CatalogUnavailable,
             UnknownAccelerator,
+            demand_from_task,
             gather_candidates,
+            gather_for_task,
         )
 
         try:
-            candidates = gather_candidates(
-                spec.accelerators, clouds=spec.clouds, regions=spec.regions
-            )
+            if spec.task.skypilot_yaml and not spec.accelerators:
+                # The accelerators live in the user's YAML: plan its own options.
+                what = f"SkyPilot task {spec.task.skypilot_yaml}"
+                config = load_task_config(Path(spec.task.skypilot_yaml), what=what)
+                demand = demand_from_task(task_from_config(config, what=what))
+                candidates = gather_for_task(demand, clouds=spec.clouds)
+            else:
+                candidates = gather_candidates(
+                    spec.accelerators, clouds=spec.clouds, regions=spec.regions
+                )
         except (CatalogUnavailable, UnknownAccelerator) as e:
             raise LaunchError(str(e)) from None
         ranking = rank(

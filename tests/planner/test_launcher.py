@@ -397,6 +397,23 @@ def test_placement_for_uses_the_catalog_and_names_why_nothing_fits(sky):
         launcher.placement_for(validate_job_spec({**doc, "accelerators": ["B300:8"]}))
 
 
+def test_placement_for_a_job_with_its_own_skypilot_yaml_plans_the_yamls_options(sky):
+    doc = {
+        "name": "t",
+        "task": {"skypilot_yaml": str(YAMLS / "ordered.yaml")},
+        "num_nodes": 4,
+        "checkpoint": {"uri": "s3://bucket/c"},
+    }
+    p = SkyPilotLauncher().placement_for(validate_job_spec(doc))
+    # ordered.yaml allows A100-80GB on gcp/us-central1 or A100 on AWS; AWS us-west-2 wins
+    assert (p.cloud, p.region, p.instance_type, p.num_nodes) == (
+        "aws",
+        "us-west-2",
+        "p4d.24xlarge",
+        4,
+    )
+
+
 def test_job_example_renders_with_its_template(sky):
     spec_doc = yaml.safe_load((TEMPLATES_DIR / "job.example.yaml").read_text())
     spec = validate_job_spec(spec_doc)
