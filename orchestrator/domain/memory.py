@@ -42,7 +42,7 @@ Pure: no I/O, no SDK; memory in bytes unless a name says GiB.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from orchestrator.domain.plan import TrainingKnobs
 from orchestrator.domain.spec import ModelProfile
@@ -247,20 +247,7 @@ def estimate(
 
 
 def _with_fit(plan: MemoryPlan, fits: bool, reasons: tuple[str, ...] = ()) -> MemoryPlan:
-    return MemoryPlan(
-        knobs=plan.knobs,
-        data_parallel=plan.data_parallel,
-        gpu_memory_bytes=plan.gpu_memory_bytes,
-        usable_bytes=plan.usable_bytes,
-        weights_bytes=plan.weights_bytes,
-        gradients_bytes=plan.gradients_bytes,
-        optimizer_bytes=plan.optimizer_bytes,
-        activations_bytes=plan.activations_bytes,
-        buffers_bytes=plan.buffers_bytes,
-        fits=fits,
-        compute_overhead=plan.compute_overhead,
-        reasons=reasons or plan.reasons,
-    )
+    return replace(plan, fits=fits, reasons=reasons or plan.reasons)
 
 
 def _explain(profile: ModelProfile, plan: MemoryPlan) -> tuple[str, ...]:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from orchestrator.domain.memory import (
     GIB,
     BatchNotDivisible,
     DoesNotFit,
     activation_bytes,
+    checkpointed_blocks,
     estimate,
     plan_memory,
 )
@@ -169,3 +172,51 @@ def test_to_dict_reports_components():
     for key in ("weights_gib", "gradients_gib", "optimizer_gib", "activations_gib", "total_gib"):
         assert d[key] >= 0
     assert d["fits"] is True and d["knobs"]["activation_checkpoint_every"] == 1
+
+
+@st.composite
+def profiles(draw):
+    heads = draw(st.sampled_from([8, 16, 32, 40]))
+    layers = draw(st.integers(2, 48))
+    return ModelProfile(
+        parameters=draw(st.integers(10**8, 3 * 10**10)),
+        layers=layers,
+        hidden_size=heads * draw(st.sampled_from([64, 128])),
+        heads=heads,
+        seq_len=draw(st.sampled_from([512, 2048, 4096, 8192])),
+        global_batch=draw(st.sampled_from([64, 128, 256, 512, 1024])),
+        micro_batch=draw(st.integers(1, 16)),
+        dtype=draw(st.sampled_from(["bf16", "fp16", "fp32"])),
+        sharding=draw(st.sampled_from(["ddp", "fsdp"])),
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    prof=profiles(),
+    gib=st.sampled_from([16, 24, 40, 48, 80, 141]),
+    dp=st.sampled_from([1, 2, 4, 8, 16, 64]),
+)
+def test_any_plan_fits_keeps_the_global_batch_and_is_the_least_recompute(prof, gib, dp):
+    try:
+        plan = plan_memory(prof, gib, dp)
+    except DoesNotFit as e:
+        # nothing at all fits: not even the smallest setting
+        assert e.smallest.total_bytes > e.smallest.usable_bytes
+        return
+    k = plan.knobs
+    assert plan.fits and plan.total_bytes <= plan.usable_bytes
+    assert k.micro_batch * k.grad_accum * dp == prof.global_batch
+    assert k.micro_batch <= prof.micro_batch
+    # the largest micro-batch that divides the per-rank batch and fits was kept ...
+    per_rank = prof.global_batch // dp
+    for bigger in range(k.micro_batch + 1, min(prof.micro_batch, per_rank) + 1):
+        if per_rank % bigger == 0:
+            full = TrainingKnobs(bigger, per_rank // bigger, 1)
+            assert not estimate(prof, full, gib, dp).fits
+    # ... and no lighter checkpointing (fewer blocks recomputed) fits at that micro-batch
+    chosen = checkpointed_blocks(prof.layers, k.activation_checkpoint_every)
+    for every in range(prof.layers + 1):
+        if checkpointed_blocks(prof.layers, every) < chosen:
+            lighter = TrainingKnobs(k.micro_batch, k.grad_accum, every)
+            assert not estimate(prof, lighter, gib, dp).fits
