@@ -27,6 +27,7 @@ from datetime import datetime
 from typing import Literal
 
 from orchestrator.contract import ExitCode
+from orchestrator.domain.advisor import interval_changed_meaningfully
 from orchestrator.domain.failures import FailureClass
 from orchestrator.domain.protocol import ProtocolStep, StepOutcome, next_step
 from orchestrator.domain.status import JobStatus
@@ -508,3 +509,18 @@ def _protocol(
             ]
         return []
     return []  # DETECT is written when the incident opens
+
+
+def checkpoint_every_update(
+    current_every: int, step_seconds: float, interval_seconds: float
+) -> int | None:
+    """The new ``every_steps`` for an advised interval, or None when the change is not
+    meaningful (under 20 %): running jobs are not told every noisy estimate."""
+    if current_every < 1 or step_seconds <= 0 or interval_seconds <= 0:
+        raise ValueError("current_every, step_seconds and interval_seconds must be positive")
+    new = max(1, round(interval_seconds / step_seconds))
+    if new == current_every or not interval_changed_meaningfully(
+        current_every * step_seconds, new * step_seconds
+    ):
+        return None
+    return new

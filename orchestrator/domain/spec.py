@@ -85,6 +85,10 @@ class CheckpointSpec(_Strict):
     """file:///abs/path, s3://bucket/prefix or gs://bucket/prefix."""
     every_steps: int = Field(default=100, ge=1)
     keep: int = Field(default=3, ge=2, description="complete checkpoints kept (at least 2)")
+    adaptive: bool = True
+    """Let the service move ``every_steps`` to Young's interval for the measured save
+    time and failure rate while the job runs (pushed to the ranks when it changes by
+    20 % or more). Off: ``every_steps`` stays as written."""
 
     @field_validator("uri")
     @classmethod

@@ -253,3 +253,18 @@ def test_a_job_that_finishes_before_every_rank_reported_in_still_succeeds():
 def test_an_attempt_that_ended_without_an_outcome_fails_the_job_instead_of_hanging():
     (out,) = rc.decide(snap(attempt=attempt(state="ended")))
     assert out.status is S.FAILED and "no outcome recorded" in out.reason
+
+
+@pytest.mark.parametrize(
+    "current, step_s, interval_s, expected",
+    [
+        (100, 1.0, 1000.0, 1000),  # ten times longer: pushed
+        (100, 1.0, 110.0, None),  # 10 % off: not worth telling the ranks
+        (100, 1.0, 75.0, 75),  # 25 % shorter: pushed
+        (100, 2.0, 0.5, 1),  # never below one step
+    ],
+)
+def test_a_new_checkpoint_interval_is_pushed_only_when_it_moves_meaningfully(
+    current, step_s, interval_s, expected
+):
+    assert rc.checkpoint_every_update(current, step_s, interval_s) == expected

@@ -269,3 +269,56 @@ def test_only_one_reconciler_holds_the_lease(world):
     assert w.rec.acquire_lease(T0)
     assert not other.acquire_lease(T0 + timedelta(seconds=5))
     assert other.acquire_lease(T0 + timedelta(seconds=11))  # the first one went silent
+
+
+def _measured(w: World, blocking_s: float | None, step_time: float = 0.1) -> None:
+    with w.sm.begin() as s:
+        for k in range(2):
+            nid = f"{w.job}-a1-n{k}"
+            ranks = [
+                {
+                    "rank": 2 * k + i,
+                    "step": 50,
+                    "step_time": step_time,
+                    "report_age_s": 0.1,
+                    "resumed": {"step": 0, "manifest_digest": None},
+                }
+                for i in range(2)
+            ]
+            agents.record_heartbeat(
+                s, w.job, 1, nid, {"state": "running", "ranks": ranks}, now=w.now
+            )
+    body = {"key": "c50", "kind": "checkpoint", "step": 50, "path": "/x", "world_size": 4}
+    if blocking_s is not None:
+        body["blocking_s"] = blocking_s
+    w.report(1, 0, body)
+
+
+def test_a_running_job_is_told_youngs_interval_for_its_measured_save_time(world):
+    w = world
+    start_running(w)
+    _measured(w, blocking_s=0.5)
+    w.tick()
+    (cmd,) = w.commands()
+    # Llama 3's rate on 4 ranks: MTBF ~12,700 h; sqrt(2 * 0.5 s * MTBF) ~ 6,750 s.
+    assert cmd.type == "set_checkpoint_every"
+    assert 60_000 < cmd.args["every_steps"] < 75_000
+    with w.sm() as s:
+        (e,) = [e for e in repo.list_events(s, w.job) if e.kind == "checkpoint_interval"]
+    assert "was 10" in e.message and "0.50 s blocking saves" in e.message
+    w.tick(61)
+    assert len(w.commands()) == 1  # the same advice is not pushed again
+
+
+def test_no_interval_is_pushed_without_a_measured_save_time_or_when_not_adaptive(world):
+    w = world
+    start_running(w)
+    _measured(w, blocking_s=None)
+    w.tick()
+    assert w.commands() == []
+    with w.sm.begin() as s:
+        job = repo.get_job(s, w.job)
+        job.spec = {**job.spec, "checkpoint": {**job.spec["checkpoint"], "adaptive": False}}
+    _measured(w, blocking_s=0.5)
+    w.tick(61)
+    assert w.commands() == []
