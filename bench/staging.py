@@ -7,6 +7,8 @@ best (the machine is shared; a noisy neighbour should not pick the winner):
 
 * single stream: one plain GET per object, one object after another, streamed to a
   file (what a script that loops over the listing does);
+* single stream + sha256: the same, hashing each file as it is written and
+  checking it against the manifest (the same work as ours, on one stream);
 * sequential ``download_file`` (S3 only): boto3's ``download_file`` per object, one
   after another; boto3 still splits objects over 8 MiB into ranges on its own threads
   (the issue's baseline);
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import resource
@@ -200,6 +203,7 @@ def main() -> None:
     from cloud_checkpoints import make_local_checkpoint
 
     from orchestrator.cloud.storage import stage_checkpoint, store_for_uri, upload_checkpoint
+    from orchestrator.contract import MANIFEST_NAME, Manifest
 
     knobs: dict[str, Any] = {}
     if args.workers is not None:
@@ -255,6 +259,28 @@ def main() -> None:
                     else:
                         gclient.bucket("bench-bucket").blob(key).download_to_filename(str(dest))
 
+            manifest = Manifest.from_json((src / MANIFEST_NAME).read_bytes())
+            want = {f"run/step_1000/{f.path}": f.sha256 for f in manifest.files}
+
+            def single_stream_sha256() -> None:
+                """The single stream that also checks each file against the manifest,
+                hashing while it writes: the same work as ours, one stream."""
+                out = fresh("single-sha")
+                for key in keys:
+                    dest = out / Path(key).name
+                    h = hashlib.sha256()
+                    if scheme == "s3":
+                        body = s3.get_object(Bucket="bench-bucket", Key=key)["Body"]
+                        with open(dest, "wb") as f:
+                            for chunk in body.iter_chunks(1 << 20):
+                                f.write(chunk)
+                                h.update(chunk)
+                    else:
+                        gclient.bucket("bench-bucket").blob(key).download_to_filename(str(dest))
+                        h.update(dest.read_bytes())
+                    if key in want and h.hexdigest() != want[key]:
+                        sys.exit(f"error: {key}: sha256 differs from the manifest")
+
             def download_file() -> None:
                 out = fresh("seq")
                 for key in keys:
@@ -270,7 +296,10 @@ def main() -> None:
                 for p in src.iterdir():
                     shutil.copyfile(p, out / p.name)
 
-            sides: dict[str, Callable[[], None]] = {"single_stream": single_stream}
+            sides: dict[str, Callable[[], None]] = {
+                "single_stream": single_stream,
+                "single_stream_sha256": single_stream_sha256,
+            }
             if scheme == "s3":
                 sides["download_file"] = download_file
             sides["ours"] = ours
@@ -284,6 +313,7 @@ def main() -> None:
     baseline = "download_file" if "download_file" in best else "single_stream"
     labels = {
         "single_stream": "single stream GET per object",
+        "single_stream_sha256": "single stream + sha256 check",
         "download_file": "sequential download_file",
         "ours": "stage_checkpoint (ours)",
         "floor": "local disk copy (floor)",
