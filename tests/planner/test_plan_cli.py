@@ -74,11 +74,16 @@ def test_without_a_catalog_it_says_how_to_get_one(tmp_path):
     assert r.stdout == ""
 
 
-def test_an_accelerator_no_cloud_offers_is_a_bad_input(runtime, tmp_path):
+def test_an_accelerator_no_cloud_offers_is_a_bad_input(sky, tmp_path):
+    # In process (the command itself, through Typer), sharing this session's sky import.
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+
     f = tmp_path / "b300.yaml"
     f.write_text(EXAMPLE.read_text().replace("- A100-80GB:8", "- B300:8"))
-    r = plan(runtime, str(f))
-    assert r.returncode == 2
+    r = CliRunner().invoke(app, ["plan", str(f)])
+    assert r.exit_code == 2
     assert "error: 'B300:8': accelerator 'B300' is not offered by aws, gcp" in r.stderr
 
 
