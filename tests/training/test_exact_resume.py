@@ -98,8 +98,9 @@ def test_sigterm_and_sigkill_resumes_end_bitwise_equal_to_an_uninterrupted_run(t
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_four_rank_checkpoint_resumes_on_two_ranks_with_the_same_global_batch(tmp_path):
-    # 4 ranks stop at step 8 (a final periodic save at 8 is skipped, so stop at 9
-    # and resume from 8), then 2 ranks finish; compare with a 2-rank run throughout.
+    # 4 DDP ranks stop at step 8 (a final periodic save at 8 is skipped, so stop at 9
+    # and resume from 8), then 2 FSDP2 ranks finish (DCP reshards the replicated
+    # state into shards); compare with a 2-rank DDP run throughout.
     # No dropout here: 4 and 2 ranks draw different masks by design (rng.py).
     base = _train(tmp_path, "two", nproc=2, dropout="0")
     out = _finish(base)
@@ -109,7 +110,7 @@ def test_four_rank_checkpoint_resumes_on_two_ranks_with_the_same_global_batch(tm
     assert first.returncode == 0, out[-3000:]
     found = find_latest_complete(tmp_path / "re")
     assert found is not None and (found.manifest.step, found.manifest.world_size) == (8, 4)
-    second = _train(tmp_path, "re", nproc=2, dropout="0")
+    second = _train(tmp_path, "re", "--fsdp", nproc=2, dropout="0")  # and DDP -> FSDP2
     out = _finish(second)
     assert second.returncode == 0, out[-3000:]
     a, b = torch.load(tmp_path / "two.pt"), torch.load(tmp_path / "re.pt")

@@ -109,6 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="local tier for s3:// and gs:// checkpoint URIs (saves land here first)",
     )
     p.add_argument("--sync-save", action="store_true", help="blocking saves instead of async")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-final", default="")
     p.add_argument("--resume-from", default=env.get(Env.RESUME_FROM, "latest"))
@@ -159,7 +160,16 @@ def main(argv: list[str] | None = None) -> int:
         args.activation_checkpoint_every,
         args.dropout,
     )
-    ddp = nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
+    if args.fsdp and dist.is_initialized():
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        ddp = fully_shard(model)  # each rank holds 1/N of the state: async saves copy less
+    elif dist.is_initialized():
+        ddp = nn.parallel.DistributedDataParallel(model)
+    else:
+        ddp = model
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
     try:
@@ -217,11 +227,22 @@ def main(argv: list[str] | None = None) -> int:
                 model.head.weight[0, 0] *= -4.0  # a flipped sign and exponent bit
         if args.step_sleep:
             time.sleep(args.step_sleep)
-    if args.save_final and rank == 0:
-        torch.save(
-            {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": run.step},
-            args.save_final,
+    if args.save_final:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
         )
+
+        # Full (unsharded) tensors whatever the wrapping, so runs compare directly.
+        full = StateDictOptions(full_state_dict=True)
+        final = {
+            "model": get_model_state_dict(model, options=full),
+            "optim": get_optimizer_state_dict(model, optimizer, options=full),
+            "step": run.step,
+        }
+        if rank == 0:
+            torch.save(final, args.save_final)
     run.finish()
     return 0
 
