@@ -40,6 +40,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from enum import StrEnum
 
 from orchestrator.domain.memory import BatchNotDivisible, DoesNotFit, MemoryPlan, plan_memory
 from orchestrator.domain.plan import Placement
@@ -136,12 +137,24 @@ class Ranked:
     preference: int = 0
 
 
+class Constraint(StrEnum):
+    """The rule that rejected a candidate."""
+
+    CLOUD = "cloud"  # not one of the job's clouds
+    REGION = "region"  # not one of the job's regions
+    EXCLUDED = "excluded"  # excluded by the caller (--exclude-region)
+    SPOT = "spot"  # the job wants spot and there is no spot offering
+    COOLDOWN = "cooldown"  # the region took nodes away within the cool-down
+    NODES = "nodes"  # fewer nodes available than min_nodes
+    BATCH = "batch"  # no allowed node count splits the global batch
+    FIT = "fit"  # the model fits no knobs on this GPU (or its memory is unknown)
+
+
 @dataclass(frozen=True)
 class Rejection:
     candidate: Candidate
     reason: str
-    constraint: str
-    """Which rule: cloud, region, excluded, spot, cooldown, nodes, batch, fit."""
+    constraint: Constraint
 
 
 @dataclass(frozen=True)
@@ -255,27 +268,33 @@ def rank(
     ranked: list[Ranked] = []
     rejected: list[Rejection] = []
 
-    def reject(c: Candidate, constraint: str, reason: str) -> None:
+    def reject(c: Candidate, constraint: Constraint, reason: str) -> None:
         rejected.append(Rejection(c, reason, constraint))
 
     for c in candidates:
         if allowed_clouds and c.cloud.lower() not in allowed_clouds:
-            reject(c, "cloud", f"cloud {c.cloud} not in the job's clouds {sorted(allowed_clouds)}")
+            reject(
+                c,
+                Constraint.CLOUD,
+                f"cloud {c.cloud} not in the job's clouds {sorted(allowed_clouds)}",
+            )
             continue
         if spec.regions and not any(_matches_region(r, c) for r in spec.regions):
-            reject(c, "region", f"region {c.region} not in the job's regions {spec.regions}")
+            reject(
+                c, Constraint.REGION, f"region {c.region} not in the job's regions {spec.regions}"
+            )
             continue
         if any(_matches_region(r, c) for r in exclude_regions):
-            reject(c, "excluded", f"region {c.region} excluded")
+            reject(c, Constraint.EXCLUDED, f"region {c.region} excluded")
             continue
         if spec.spot and c.spot_price_per_node_hour is None:
-            reject(c, "spot", "no spot offering")
+            reject(c, Constraint.SPOT, "no spot offering")
             continue
         until = blocked.get((c.cloud.lower(), c.region))
         if until is not None:
             reject(
                 c,
-                "cooldown",
+                Constraint.COOLDOWN,
                 f"{c.cloud}/{c.region} took nodes away recently; blocked until "
                 f"{until.isoformat(timespec='minutes')}",
             )
@@ -285,13 +304,13 @@ def rank(
         if not counts:
             reject(
                 c,
-                "nodes",
+                Constraint.NODES,
                 f"only {avail} node(s) available, the job needs at least "
                 f"{spec.effective_min_nodes}",
             )
             continue
         chosen: tuple[int, MemoryPlan | None] | None = None
-        last_reason = ("batch", "")
+        last_reason: tuple[Constraint, str] = (Constraint.BATCH, "")
         for nodes in counts:
             dp = _data_parallel(spec, c, nodes)
             if spec.model is None:
@@ -299,21 +318,24 @@ def rank(
                 break
             if spec.model.global_batch % dp:
                 last_reason = (
-                    "batch",
+                    Constraint.BATCH,
                     f"global batch {spec.model.global_batch} does not split over {dp} ranks",
                 )
                 continue
             if c.gpu_memory_gib is None:
-                last_reason = ("fit", "GPU memory unknown, so the model's fit cannot be checked")
+                last_reason = (
+                    Constraint.FIT,
+                    "GPU memory unknown, so the model's fit cannot be checked",
+                )
                 break
             try:
                 chosen = (nodes, plan_memory(spec.model, c.gpu_memory_gib, dp, headroom=headroom))
                 break
             except DoesNotFit as e:
-                last_reason = ("fit", str(e))
+                last_reason = (Constraint.FIT, str(e))
                 break  # fewer nodes only make a sharded model fit worse
             except BatchNotDivisible as e:  # pragma: no cover - checked above
-                last_reason = ("batch", str(e))
+                last_reason = (Constraint.BATCH, str(e))
         if chosen is None:
             reject(c, *last_reason)
             continue
