@@ -167,7 +167,12 @@ def main(argv: list[str] | None = None) -> int:
             fully_shard(block)
         ddp = fully_shard(model)  # each rank holds 1/N of the state: async saves copy less
     elif dist.is_initialized():
-        ddp = nn.parallel.DistributedDataParallel(model)
+        # find_unused_parameters=True keeps DDP's first bucket layout for good. By
+        # default DDP rebuilds its buckets after the first iteration of every process,
+        # so a resumed run would reduce its first step's gradients in another order
+        # than an uninterrupted one (ring allreduce over 3+ ranks is not associative in
+        # floating point) and drift by ~1e-8: not a bitwise-exact resume.
+        ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     else:
         ddp = model
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
