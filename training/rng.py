@@ -51,7 +51,8 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     import torch
 
     torch.set_rng_state(state["torch"])
-    random.setstate(_as_python_state(state["python"]))
+    if "python" in state:
+        random.setstate(_as_python_state(state["python"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     if "numpy" in state and "numpy" in sys.modules:

@@ -378,11 +378,11 @@ class Run:
         for name, obj in self.extra_state.items():
             obj.load_state_dict(sd[f"extra.{name}"])
         step = int(sd["step"])
-        if same_world:
+        if same_world and "torch" in sd["rng"][mine]:
             restore_rng_state(sd["rng"][mine])
-        else:
+        else:  # another world size, or a checkpoint without this rank's generators
             reseed_all(self.config.seed, step, self.rank)
-            if self.rank == 0:
+            if self.rank == 0 and not same_world:
                 print(
                     f"world size {world_at_save} -> {self.world_size}: model, optimizer and "
                     f"data position resharded; random generators reseeded from (seed, step, rank)",
