@@ -27,6 +27,7 @@ Target (issue #5): p99 <= one poll interval + 250 ms. Ends with one JSON line
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -38,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -120,8 +122,10 @@ def free_port() -> int:
 class Service:
     """``skyresume serve`` on SQLite (reconciler off: the relay below plays its part)."""
 
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, db_url: str | None) -> None:
         import httpx
+
+        from orchestrator.store import db
 
         self.home = home
         port = free_port()
@@ -129,8 +133,10 @@ class Service:
         env = {**os.environ, "SKYRESUME_HOME": str(home), "SKYRESUME_PORT": str(port)}
         env["SKYRESUME_RECONCILE"] = "0"
         env.pop("SKYRESUME_TOKEN", None)
-        env.pop("SKYRESUME_DATABASE_URL", None)
         home.mkdir(parents=True)
+        self.db_url = db_url or f"sqlite:///{home / 'skyresume.db'}"
+        env["SKYRESUME_DATABASE_URL"] = self.db_url
+        db.upgrade(self.db_url)
         self.log = (home / "serve.log").open("w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "orchestrator.cli", "serve"],
@@ -150,12 +156,13 @@ class Service:
         self.token = (home / "token").read_text().strip()
         from orchestrator.store.db import make_engine, make_sessionmaker
 
-        self.engine = make_engine(f"sqlite:///{home / 'skyresume.db'}")
+        self.engine = make_engine(self.db_url)
         self.sessionmaker = make_sessionmaker(self.engine)
 
     def new_job(self, name: str) -> str:
-        import httpx
-
+        """A job and its running attempt 1, written as the service and reconciler would."""
+        from orchestrator.domain.spec import validate_job_spec
+        from orchestrator.store import repo
         from orchestrator.store.models import Attempt
 
         spec = {
@@ -165,20 +172,16 @@ class Service:
             "accelerators": [],
             "checkpoint": {"uri": "file:///tmp/skyresume-fanout"},
         }
-        r = httpx.post(
-            f"{self.url}/v1/jobs", json=spec, headers={"Authorization": f"Bearer {self.token}"}
-        )
-        r.raise_for_status()
-        job_id = r.json()["id"]
         with self.sessionmaker() as s, s.begin():
+            job = repo.create_job(s, validate_job_spec(spec))
             s.add(
                 Attempt(
-                    job_id=job_id, number=1, cloud="local", region="local", instance_type="cpu",
+                    job_id=job.id, number=1, cloud="local", region="local", instance_type="cpu",
                     num_nodes=1, spot=True, knobs={}, started_at=datetime.now(UTC),
                     state="running", launcher="bench",
                 )
             )  # fmt: skip
-        return job_id
+            return job.id
 
     def relay(self, stop: threading.Event) -> None:
         """What the reconciler does with a notice: checkpoint_and_stop for the attempt."""
@@ -208,11 +211,17 @@ class Service:
 
 
 def run_fleet(
-    mode: str, nodes: int, ranks: int, poll_s: float, provider: str, workdir: Path
+    mode: str,
+    nodes: int,
+    ranks: int,
+    poll_s: float,
+    provider: str,
+    workdir: Path,
+    db_url: str | None = None,
 ) -> dict[str, object]:
     sim = MetadataSimulator().start()
     coll = Collector()
-    service = Service(workdir / f"{mode}-svc") if mode == "service_round_trip" else None
+    service = Service(workdir / f"{mode}-svc", db_url) if mode == "service_round_trip" else None
     relay_stop = threading.Event()
     agents_: list[subprocess.Popen[bytes]] = []
     names = [f"{mode[:5]}-n{i}" for i in range(nodes)]
@@ -249,7 +258,10 @@ def run_fleet(
                 argv += ["--job-id", "fanout"]
             argv += ["--", sys.executable, "-S", "-c", RANK_CODE]
             log = (workdir / f"{node}.log").open("w")
-            agents_.append(subprocess.Popen(argv, env=env, stdout=log, stderr=log))
+            # Each node its own process group (agent + direct ranks): killed as one.
+            agents_.append(
+                subprocess.Popen(argv, env=env, stdout=log, stderr=log, start_new_session=True)
+            )
         if not coll.wait("ready", ranks, nodes, timeout=600):
             raise SystemExit(f"error: only {len(coll.ready)} of {nodes * ranks} ranks came up")
         started_s = time.monotonic() - t_start
@@ -266,12 +278,11 @@ def run_fleet(
         for (node, _), t in coll.term.items():
             by_node.setdefault(node, []).append(t)
         spread = sorted(max(ts) - min(ts) for ts in by_node.values() if len(ts) == ranks)
+        end = time.monotonic() + 60
         for p in agents_:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        return {
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.1, end - time.monotonic()))
+        result: dict[str, object] = {
             "received": len(lat),
             "expected": nodes * ranks,
             "complete": done,
@@ -281,16 +292,51 @@ def run_fleet(
             "max_s": round(lat[-1], 3) if lat else None,
             "node_spread_p99_ms": round(1000 * quantile(spread, 0.99), 1),
         }
+        print(f"{mode}: {json.dumps(result)}", file=sys.stderr, flush=True)
+        return result
     finally:
         relay_stop.set()
         for p in agents_:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
         coll.stopped = True
         sim.stop()
         if service:
             service.close()
+
+
+PG_BASE = os.environ.get("SKYRESUME_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+@contextlib.contextmanager
+def postgres_database(wanted: str) -> Iterator[str | None]:
+    """A fresh PostgreSQL database for the service (dropped after), or None for SQLite.
+
+    64 nodes heartbeating once a second are 64 writes/s: PostgreSQL's job in
+    production; SQLite on 2 busy cores stalls on its single writer lock."""
+    if wanted == "sqlite":
+        yield None
+        return
+    import secrets
+
+    try:
+        import psycopg
+
+        name = "skyresume_fanout_" + secrets.token_hex(4)
+        with psycopg.connect(PG_BASE, autocommit=True, connect_timeout=5) as c:
+            c.execute(f'CREATE DATABASE "{name}"')
+    except Exception as e:
+        if wanted == "postgres":
+            raise SystemExit(f"error: PostgreSQL unreachable at {PG_BASE}: {e}") from None
+        print(f"PostgreSQL unreachable ({e}); the service uses SQLite", file=sys.stderr)
+        yield None
+        return
+    try:
+        yield f"{PG_BASE.rsplit('/', 1)[0]}/{name}"
+    finally:
+        with psycopg.connect(PG_BASE, autocommit=True) as c:
+            c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def quantile(xs: list[float], q: float) -> float:
@@ -308,6 +354,12 @@ def main() -> None:
     ap.add_argument("--poll-s", type=float, default=1.0, help="the agents' metadata poll interval")
     ap.add_argument("--provider", default="aws", choices=["aws", "azure"])
     ap.add_argument("--no-baseline", action="store_true", help="skip the service round trip")
+    ap.add_argument(
+        "--db",
+        default="auto",
+        choices=["auto", "postgres", "sqlite"],
+        help="the baseline service's database (auto: PostgreSQL at 127.0.0.1:5432 if up)",
+    )
     a = ap.parse_args()
     if a.nodes < 1 or a.ranks < 1 or a.poll_s <= 0:
         ap.error("--nodes and --ranks must be >= 1 and --poll-s > 0")
@@ -316,7 +368,11 @@ def main() -> None:
         local = run_fleet("local_first", a.nodes, a.ranks, a.poll_s, a.provider, work)
         base = None
         if not a.no_baseline:
-            base = run_fleet("service_round_trip", a.nodes, a.ranks, a.poll_s, a.provider, work)
+            with postgres_database(a.db) as db_url:
+                base = run_fleet(
+                    "service_round_trip", a.nodes, a.ranks, a.poll_s, a.provider, work, db_url
+                )
+                base["db"] = "postgresql" if db_url else "sqlite"
     finally:
         shutil.rmtree(work, ignore_errors=True)
     target = a.poll_s + 0.25
@@ -354,6 +410,7 @@ def main() -> None:
             "baseline_p50_s": base["p50_s"],
             "baseline_p99_s": base["p99_s"],
             "baseline_complete": base["complete"],
+            "baseline_db": base["db"],
             "ratio_p99_to_baseline": round(float(local["p99_s"]) / float(base["p99_s"]), 3),  # type: ignore[arg-type]
         }
     print(json.dumps(out))

@@ -186,6 +186,16 @@ def test_long_poll_does_not_block_other_requests(client, job):
     assert result["r"].json() == {"commands": []}
 
 
+def test_a_waiting_long_poll_gets_409_when_the_attempt_is_superseded(client, job):
+    register(client, job)
+    sm = client.app.state.sessionmaker
+    timer = threading.Timer(0.3, lambda: add_attempt(sm, job, 2))
+    timer.start()
+    r = client.get(base(job) + "/commands", params={"wait": 20})
+    timer.join()
+    assert r.status_code == 409
+
+
 def test_wait_over_30_s_is_refused(client, job):
     register(client, job)
     assert client.get(base(job) + "/commands", params={"wait": 31}).status_code == 422

@@ -7,7 +7,9 @@ recorded. Waits poll with generous ceilings; nothing asserts on speed.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -88,16 +90,20 @@ def start_agent(tmp_path: Path, service: Service) -> Iterator[Callable[..., Agen
             *flags, "--", "python", str(RANK_SCRIPT),
         ]  # fmt: skip
         with log.open("w") as out:
-            proc = subprocess.Popen(argv, env=full_env, stderr=out, stdout=out, text=True)
+            # Its own session: the node is one process group (agent + direct ranks),
+            # so a failed test can kill all of it.
+            proc = subprocess.Popen(
+                argv, env=full_env, stderr=out, stdout=out, text=True, start_new_session=True
+            )
         run = AgentRun(proc, marks, log)
         runs.append(run)
         return run
 
     yield start
     for run in runs:
-        if run.proc.poll() is None:
-            run.proc.kill()
-            run.proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.proc.pid, signal.SIGKILL)
+        run.proc.wait()
 
 
 def node_row(service: Service, job_id: str, node: str = "n0") -> Any:
