@@ -49,7 +49,7 @@ from orchestrator.agent.client import (
     Unreachable,
     backoff_delays,
 )
-from orchestrator.agent.progress import ProgressBoard, ProgressListener
+from orchestrator.agent.progress import ProgressBoard, ProgressListener, finite
 from orchestrator.contract import Env, ExitCode
 
 log = logging.getLogger("skyresume.agent")
@@ -418,6 +418,7 @@ class Agent:
                 step=doc["step"],
                 path=_str_or_none(doc.get("path")),
                 uploaded_uri=_str_or_none(doc.get("uploaded_uri")),
+                blocking_s=finite(doc.get("blocking_s")),
                 world_size=doc.get("world_size")
                 if isinstance(doc.get("world_size"), int)
                 else self.cfg.world_size,

@@ -224,6 +224,8 @@ class CheckpointReport(_Report):
     path: str | None = Field(default=None, max_length=4096)
     uploaded_uri: str | None = Field(default=None, max_length=4096)
     world_size: int | None = Field(default=None, ge=1)
+    blocking_s: _Float | None = Field(default=None, ge=0)
+    """How long the save blocked training (the interval advisor reads it)."""
 
 
 class NodeExitReport(_Report):

@@ -272,6 +272,7 @@ def test_reports_notice_checkpoint_anomaly_node_exit(client, job):
             "path": "/local/step_40",
             "uploaded_uri": None,
             "world_size": 4,
+            "blocking_s": 0.25,
         },
         {
             "key": "c2",
@@ -295,6 +296,7 @@ def test_reports_notice_checkpoint_anomaly_node_exit(client, job):
         r = client.post(base(job) + "/reports", json=rep)
         assert r.status_code == 200, r.text
     events = client.get(f"/v1/jobs/{job}/events").json()["items"]
+    assert events[1]["details"]["blocking_s"] == 0.25  # the interval advisor reads it
     assert [(e["kind"], e["failure_class"]) for e in events] == [
         ("preemption_notice", "preemption_notice"),
         ("checkpoint", None),
