@@ -8,11 +8,13 @@ never retries on its own (recovery is skyresume's, not the provider's).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
 from orchestrator.domain.plan import Placement
+from orchestrator.domain.spec import JobSpec
 
 
 class ClusterState(StrEnum):
@@ -59,6 +61,11 @@ class LaunchError(RuntimeError):
 
 class Launcher(Protocol):
     name: str
+
+    def placement_for(self, spec: JobSpec, *, exclude_regions: Sequence[str] = ()) -> Placement:
+        """Where the job's next attempt runs. ``exclude_regions`` (``cloud/region`` or
+        a region name) are those that just preempted or lost a node."""
+        ...
 
     def launch(self, request: LaunchRequest) -> LaunchHandle: ...
     def status(self, handle: LaunchHandle) -> ClusterStatus: ...

@@ -118,6 +118,8 @@ class LocalLauncher:
         python: str = sys.executable,
         poll_s: float = 1.0,
         heartbeat_s: float = 1.0,
+        gpu_memory_gib: float | None = None,
+        replacement_gpu_memory_gib: float | None = None,
     ) -> None:
         if provider not in PROVIDERS:
             raise ValueError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
@@ -128,6 +130,8 @@ class LocalLauncher:
         self.python = python
         self.poll_s = poll_s
         self.heartbeat_s = heartbeat_s
+        self.gpu_memory_gib = gpu_memory_gib
+        self.replacement_gpu_memory_gib = replacement_gpu_memory_gib
         self._sim: MetadataSimulator | None = None
         self._lock = threading.Lock()
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -168,8 +172,22 @@ class LocalLauncher:
 
     # --- Launcher protocol ------------------------------------------------------------
 
-    def placement_for(self, spec: JobSpec) -> Placement:
-        """Every node is a process on this machine: one shape, no price, no regions."""
+    def placement_for(
+        self,
+        spec: JobSpec,
+        *,
+        exclude_regions: tuple[str, ...] | list[str] = (),
+        replacement: bool = False,
+    ) -> Placement:
+        """Every node is a process on this machine: one shape, no price, no regions.
+
+        ``gpu_memory_gib`` (first launch) and ``replacement_gpu_memory_gib`` (every
+        relaunch) declare a GPU size the nodes pretend to have, so that a replacement
+        with less memory exercises the memory planner's replanning on this machine.
+        """
+        gib = self.replacement_gpu_memory_gib if replacement else self.gpu_memory_gib
+        gib = gib if gib is not None else self.gpu_memory_gib
+        what = f", declared {gib:g} GiB per 'GPU'" if gib is not None else ""
         return Placement(
             cloud="local",
             region="local",
@@ -178,8 +196,9 @@ class LocalLauncher:
             accelerator_count=0,
             num_nodes=spec.num_nodes,
             spot=spec.spot,
+            gpu_memory_gib=gib,
             price_per_node_hour=0.0,
-            reasons=("local launcher: nodes are process sessions on this machine",),
+            reasons=(f"local launcher: nodes are process sessions on this machine{what}",),
         )
 
     def launch(self, request: LaunchRequest) -> LaunchHandle:

@@ -17,7 +17,7 @@ import socket
 import statistics
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -645,10 +645,23 @@ class Reconciler:
             self._finish(s, inc, step, StepOutcome.FAILED, decision.reason, now)
             self._fail(s, ctx, decision.reason, now)
             return
-        placement = self._placement(spec)
+        try:
+            placement = self._placement(s, spec, inc)
+        except (LaunchError, ValueError) as e:
+            self._finish(s, inc, step, StepOutcome.FAILED, str(e), now)
+            self._fail(s, ctx, f"no replacement: {e}", now)
+            return
+        knobs = placement.knobs
         text = (
             f"{decision.action}: {placement.num_nodes} x {placement.instance_type} "
             f"({self.launcher.name}, {placement.region})"
+            + (
+                f"; knobs: micro-batch {knobs.micro_batch} x {knobs.grad_accum} accumulation, "
+                f"activation checkpointing every {knobs.activation_checkpoint_every or '-'} "
+                f"for {placement.gpu_memory_gib:g} GiB"
+                if knobs is not None and placement.gpu_memory_gib
+                else ""
+            )
         )
         self._finish(s, inc, step, StepOutcome.OK, text, now)
 
@@ -706,11 +719,37 @@ class Reconciler:
             now,
         )
 
-    def _placement(self, spec: JobSpec) -> Placement:
+    def _placement(self, s: Session, spec: JobSpec, inc: int | None) -> Placement:
+        """The launcher's placement, the failed region excluded after a preemption or
+        a lost node, and training knobs replanned for the GPU memory it declares."""
+        from orchestrator.domain.memory import plan_memory
+        from orchestrator.domain.policy import BLAMES_REGION
+
         placement_for = getattr(self.launcher, "placement_for", None)
         if placement_for is None:
-            raise LaunchError(f"launcher {self.launcher.name!r} cannot place jobs yet")
-        placement: Placement = placement_for(spec)
+            raise LaunchError(f"launcher {self.launcher.name!r} cannot place jobs")
+        kwargs: dict[str, Any] = {}
+        if inc is not None:
+            incident = s.get(FailureEvent, inc)
+            failed = self._attempt(s, spec_job_id(incident), _attempt_of(incident))
+            cls = FailureClass(incident.failure_class or "unknown") if incident else None
+            if failed is not None and cls in BLAMES_REGION and failed.region != "local":
+                kwargs["exclude_regions"] = [failed.region]
+            if self.launcher.name == "local":
+                kwargs["replacement"] = True
+        placement: Placement = placement_for(spec, **kwargs)
+        if spec.model is not None and placement.gpu_memory_gib and placement.knobs is None:
+            plan = plan_memory(
+                spec.model, placement.gpu_memory_gib, spec.num_nodes * spec.ranks_per_node
+            )  # DoesNotFit names the model, the memory and the smallest estimate
+            placement = replace(
+                placement,
+                knobs=plan.knobs,
+                reasons=(
+                    *placement.reasons,
+                    *plan.reasons,
+                ),
+            )
         return placement
 
     def _launch(self, s: Session, ctx: _Ctx, number: int, inc: int | None, now: datetime) -> None:
@@ -719,9 +758,12 @@ class Reconciler:
         confirmed = self._confirmed(s, job.id, inc) if inc is not None else None
         resume_step = (confirmed or {}).get("step")
         try:
-            placement = self._placement(spec)
-        except LaunchError as e:
-            self._fail(s, ctx, str(e), now)
+            placement = self._placement(s, spec, inc)
+        except (LaunchError, ValueError) as e:
+            if inc is not None:
+                self._step(s, job.id, inc, ProtocolStep.LAUNCH, now)
+                self._finish(s, inc, ProtocolStep.LAUNCH, StepOutcome.FAILED, str(e), now)
+            self._fail(s, ctx, f"no placement: {e}", now)
             return
         if a is None:
             a = Attempt(
@@ -735,7 +777,11 @@ class Reconciler:
                 num_nodes=placement.num_nodes,
                 spot=placement.spot,
                 price_per_node_hour=placement.price_per_node_hour,
-                knobs={"ranks_per_node": spec.ranks_per_node},
+                knobs={
+                    "ranks_per_node": spec.ranks_per_node,
+                    "gpu_memory_gib": placement.gpu_memory_gib,
+                    **(placement.knobs.to_dict() if placement.knobs else {}),
+                },
                 resume_step=resume_step,
                 started_at=now,
                 state="launching",
@@ -767,6 +813,10 @@ class Reconciler:
         if spec.model is not None:
             env[Env.GLOBAL_BATCH] = str(spec.model.global_batch)
             env[Env.MICRO_BATCH] = str(spec.model.micro_batch)
+        if placement.knobs is not None:
+            env[Env.MICRO_BATCH] = str(placement.knobs.micro_batch)
+            env[Env.GRAD_ACCUM] = str(placement.knobs.grad_accum)
+            env[Env.ACTIVATION_CHECKPOINT_EVERY] = str(placement.knobs.activation_checkpoint_every)
         request = LaunchRequest(
             job_id=job.id,
             attempt=number,
@@ -855,7 +905,16 @@ def incidents(s: Session, job_id: str) -> list[dict[str, Any]]:
             else None
         )
         nxt = s.scalars(select(Attempt).where(Attempt.incident_id == inc.id)).first()
-        last = (inc.details or {}).get("last_step")
+        # Ranks may finish a step after detection (a stop takes effect at the next
+        # step boundary): the failed attempt's last heartbeats have the true last step.
+        number = (inc.details or {}).get("attempt")
+        seen = [(inc.details or {}).get("last_step")] + [
+            r.get("step")
+            for n in s.scalars(select(Node).where(Node.job_id == job_id, Node.attempt == number))
+            for r in (n.progress or {}).get("ranks", []) or []
+            if isinstance(r, dict)
+        ]
+        last = max((x for x in seen if isinstance(x, int)), default=None)
         resumed = nxt.validated_step if nxt is not None else None
         out.append(
             {
@@ -875,3 +934,11 @@ def incidents(s: Session, job_id: str) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def spec_job_id(incident: FailureEvent | None) -> str:
+    return incident.job_id if incident is not None else ""
+
+
+def _attempt_of(incident: FailureEvent | None) -> int:
+    return int((incident.details or {}).get("attempt", 0)) if incident is not None else 0

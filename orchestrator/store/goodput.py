@@ -23,9 +23,9 @@ Where each figure comes from:
 * the attempt that **failed** is ``details.attempt`` (else the one started last
   before the event); the attempt that **recovers** is the one whose ``incident_id``
   names the incident;
-* **steps lost** = ``details.last_step`` (the highest step any rank had reported at
-  detection) minus the recovering attempt's ``resume_step``; without ``last_step``
-  the failed attempt's last heartbeat (``nodes.progress``) stands in. Never below 0:
+* **steps lost** = the highest step any rank of the failed attempt reported (at
+  detection, ``details.last_step``, or later, in its last heartbeats in
+  ``nodes.progress``) minus the recovering attempt's ``resume_step``. Never below 0:
   an emergency save can land after the last heartbeat. Unknown (``None``) until the
   recovering attempt has a resume step;
 * **step time**: per attempt, the slowest rank's ``step_time`` in its nodes' last
@@ -345,9 +345,12 @@ def job_goodput(session: Session, job_id: str, *, now: datetime | None = None) -
             continue
         failed, recovering = _placement(attempts, ev)
         resumer = next((a for a in recovering if a.resume_step is not None), None)
-        last_step = _as_int((ev.details or {}).get("last_step"))
-        if last_step is None and failed is not None and last_steps[failed.number]:
-            last_step = int(max(last_steps[failed.number]))
+        # The ranks may finish a step or two after detection (a stop takes effect at
+        # the next step boundary): the failed attempt's last heartbeats know better.
+        seen = [_as_int((ev.details or {}).get("last_step"))]
+        if failed is not None and last_steps[failed.number]:
+            seen.append(int(max(last_steps[failed.number])))
+        last_step = max((x for x in seen if x is not None), default=None)
         resume_step = resumer.resume_step if resumer else None
         steps_lost = (
             max(0, last_step - resume_step)

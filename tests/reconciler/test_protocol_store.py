@@ -38,9 +38,12 @@ class FakeLauncher:
     launched: list[LaunchRequest] = field(default_factory=list)
     downed: list[str] = field(default_factory=list)
     dead: set[str] = field(default_factory=set)
+    excluded: list[list[str]] = field(default_factory=list)
 
-    def placement_for(self, spec):  # type: ignore[no-untyped-def]
-        return Placement("fake", "r1", "cpu", None, 0, spec.num_nodes, spec.spot)
+    def placement_for(self, spec, *, exclude_regions=()):  # type: ignore[no-untyped-def]
+        self.excluded.append(list(exclude_regions))
+        region = "r2" if "r1" in exclude_regions else "r1"
+        return Placement("fake", region, "cpu", None, 0, spec.num_nodes, spec.spot)
 
     def node_disk(self, job_id: str, attempt: int, index: int) -> Path:
         d = self.root / f"{job_id}-a{attempt}-n{index}"
@@ -184,6 +187,9 @@ def test_a_preemption_runs_all_seven_steps_and_resumes_on_every_rank_at_the_save
     assert req.env[Env.RESUME_FROM] == "{node_disk}/staged/step_40"
     assert req.env[Env.EXPECTED_STEP] == "40"
     assert w.launcher.downed == [f"{w.job}-a1"]  # released only after the confirm step
+    assert w.launcher.excluded[-1] == ["r1"]  # the region that preempted us is avoided
+    with w.sm() as s:
+        assert s.query(Attempt).filter_by(job_id=w.job, number=2).one().region == "r2"
     for k in range(2):
         staged = w.launcher.node_disk(w.job, 2, k) / "staged" / "step_40" / COMMIT_NAME
         assert staged.exists()
