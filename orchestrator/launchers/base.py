@@ -14,7 +14,7 @@ from enum import StrEnum
 from typing import Protocol
 
 from orchestrator.domain.plan import Placement
-from orchestrator.domain.spec import JobSpec
+from orchestrator.domain.spec import JobSpec, TaskSpec
 
 
 class ClusterState(StrEnum):
@@ -39,6 +39,9 @@ class LaunchRequest:
     ranks_per_node: int = 1
     grace_s: float = 90.0
     """How long ranks get to save after SIGTERM (the agent's grace, not torchrun's 30 s)."""
+    task: TaskSpec | None = None
+    """The job's task (template or the user's SkyPilot YAML), for launchers that build
+    a provider task from it; the local launcher runs ``command`` directly."""
 
 
 @dataclass(frozen=True)

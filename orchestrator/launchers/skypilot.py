@@ -367,7 +367,7 @@ class SkyPilotLauncher:
 
     def launch(self, request: LaunchRequest, task: TaskSpec | None = None) -> LaunchHandle:
         name = cluster_name_for(request.job_id, request.attempt)
-        sky_task = self.build(request, task)
+        sky_task = self.build(request, task or request.task)
         current = self.status(LaunchHandle(name, self.name))
         if current.state in (ClusterState.UP, ClusterState.LAUNCHING):
             # Idempotent: a service that restarted mid-launch must not launch twice.

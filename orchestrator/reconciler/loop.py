@@ -825,6 +825,7 @@ class Reconciler:
             env=env,
             ranks_per_node=spec.ranks_per_node,
             grace_s=spec.restarts.grace_period_s,
+            task=spec.task,
         )
         try:
             handle = self.launcher.launch(request)

@@ -21,7 +21,7 @@ def make_launcher(settings: Settings, token: str):  # type: ignore[no-untyped-de
             lambda job_id: job_token(token, job_id),
             provider=settings.local_provider,
         )
-    from orchestrator.launchers.skypilot import SkyPilotLauncher  # type: ignore[import-not-found]
+    from orchestrator.launchers.skypilot import SkyPilotLauncher
 
     return SkyPilotLauncher(settings=settings, token_for=lambda j: job_token(token, j))
 
