@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 import socket
 import threading
+from pathlib import Path
 
 import pytest
 from testkit import torchrun
 
 from orchestrator.contract import Env, ExitCode
 from training.checkpoint import find_latest_complete
+
+WORKER = Path(__file__).with_name("run_worker.py")
 
 
 class Listener:
@@ -95,3 +98,28 @@ def test_datagrams_control_file_straggler_and_silent_corruption(tmp_path, monkey
     found = find_latest_complete(root)
     assert found is not None and found.manifest.step == 6
     assert not (root / "step_9").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_ranks_told_to_resume_from_different_steps_refuse_to_train(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(WORKER.parent))
+    from run_worker import build
+
+    from training import Run
+
+    # Two checkpoints written by a one-rank run (DCP reshards them onto two ranks).
+    model, opt = build()
+    run = Run.from_env(model=model, optimizer=opt, env={}, checkpoint_uri=f"file://{tmp_path}")
+    run.checkpointer.save(run.state_dict(), 4)  # type: ignore[union-attr]
+    run.step = 8
+    run.checkpointer.save(run.state_dict(), 8)  # type: ignore[union-attr]
+    run.finish()
+    tampered = torchrun(str(WORKER), str(tmp_path / "step_8"), str(tmp_path / "step_4"),
+                        pythonpath=str(WORKER.parent))  # fmt: skip
+    out = tampered.communicate(timeout=180)[0].decode()
+    assert f"exitcode  : {int(ExitCode.RESUME_MISMATCH)}" in out, out[-3000:]
+    assert "restored step" not in out  # neither rank got past restore()
+    assert "ranks 0 at step 8" in out and "ranks 1 at step 4" in out, out[-3000:]
