@@ -43,7 +43,7 @@ MAX_WAIT_S = 30.0
 POLL_INTERVAL_S = 0.1
 #: How often a waiting long-poll re-checks its own commands and that its attempt is
 #: still current, whatever the watch says.
-RECHECK_S = 1.0
+RECHECK_S = 2.0
 #: The heartbeat period the service expects (an agent may be told to use it).
 HEARTBEAT_S = 1.0
 
@@ -298,43 +298,57 @@ def _check_commands(
 
 
 class _CommandWatch:
-    """Reads (count, max id) of ``node_commands`` once per ``POLL_INTERVAL_S`` for all
-    waiting long-polls together, and wakes them when it changes.
+    """Reads the commands added since its last look, once per ``POLL_INTERVAL_S``, for
+    all waiting long-polls together, and wakes them; a waiter queries its own
+    commands only when its (job, attempt) got a new one.
 
-    64 waiting agents thus cost one small query per interval, not 64 (a first version
-    polled per request and ran a 64-node benchmark out of pooled connections). It
-    polls the database, not an in-process signal, so commands written by the
-    reconciler or another replica are seen too; the count catches a row with a lower
-    id that commits after a higher one.
+    So 64 waiting agents cost one small query per interval, and a burst of commands
+    (one per job when a fleet is preempted) costs each waiter one check, not one per
+    command. (A first version polled per request and ran a 64-node benchmark out of
+    pooled connections.) It polls the database, not an in-process signal, so
+    commands written by the reconciler or another replica are seen too; a row whose
+    id is below the watermark when it commits late is caught by the waiters' own
+    re-check every ``RECHECK_S``.
     """
 
     def __init__(self, sessionmaker: Any) -> None:
         self._sessionmaker = sessionmaker
-        self.version: tuple[int, int] = (-1, -1)
+        self._watermark: int | None = None
+        self.newest: dict[tuple[str, int], int] = {}
+        """(job_id, attempt) -> the highest command id seen for it."""
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._waiters = 0
 
-    def _read(self) -> tuple[int, int]:
+    def _read(self) -> list[tuple[int, str, int]]:
         with self._sessionmaker() as s:
-            count, top = s.execute(
-                select(func.count(NodeCommand.id), func.max(NodeCommand.id))
-            ).one()
-            return int(count or 0), int(top or 0)
+            if self._watermark is None:
+                self._watermark = int(s.scalar(select(func.max(NodeCommand.id))) or 0)
+                return []
+            q = (
+                select(NodeCommand.id, NodeCommand.job_id, NodeCommand.attempt)
+                .where(NodeCommand.id > self._watermark)
+                .order_by(NodeCommand.id)
+                .limit(10_000)
+            )
+            return [(int(i), str(j), int(a)) for i, j, a in s.execute(q)]
 
     async def _run(self) -> None:
         while self._waiters > 0:
             try:
-                version = await run_in_threadpool(self._read)
-            except Exception:  # the database blinked; waiters still time out and re-check
+                rows = await run_in_threadpool(self._read)
+            except Exception:  # the database blinked; waiters still re-check on their own
                 log.exception("command watch: could not read node_commands")
-                version = self.version
-            if version != self.version:
-                self.version = version
+                rows = []
+            if rows:
+                for cid, job_id, attempt in rows:
+                    self.newest[(job_id, attempt)] = cid
+                self._watermark = rows[-1][0]
                 fired, self._changed = self._changed, asyncio.Event()
                 fired.set()
             await asyncio.sleep(POLL_INTERVAL_S)
         self._task = None
+        self._watermark = None  # nobody watched for a while: start from the top again
 
     async def wait_change(self, timeout: float) -> None:
         event = self._changed
@@ -369,15 +383,17 @@ async def commands(
     wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, description="long-poll seconds")] = 0.0,
 ) -> CommandsOut:
     """Commands for this node after ``after``; waits up to ``wait`` s for one to arrive.
-    409 (also mid-wait, within ~1 s) once the attempt is no longer current."""
+    409 (also mid-wait, within ``RECHECK_S``) once the attempt is no longer current."""
     deadline = time.monotonic() + wait
     watch = _command_watch(request)
-    seen: tuple[int, int] | None = None
+    key = (job_id, attempt)
+    seen = -1
     checked_at = 0.0
     while True:
         now = time.monotonic()
-        if watch.version != seen or now - checked_at >= RECHECK_S:
-            seen, checked_at = watch.version, now
+        newest = watch.newest.get(key, 0)
+        if seen < 0 or newest > seen or now - checked_at >= RECHECK_S:
+            seen, checked_at = max(newest, 0), now
             try:
                 found = await run_in_threadpool(
                     _check_commands, request, job_id, attempt, node_id, after
