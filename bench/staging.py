@@ -13,7 +13,7 @@ best (the machine is shared; a noisy neighbour should not pick the winner):
   after another; boto3 still splits objects over 8 MiB into ranges on its own threads
   (the issue's baseline);
 * ours: ``stage_checkpoint`` (ranged parallel downloads + sha256 of every file checked
-  against the manifest: it does more work than either baseline);
+  against the manifest: more work than the two unverified baselines);
 * floor: copying the same bytes from local disk to local disk.
 
 Backends (``--backend``):
@@ -24,8 +24,11 @@ Backends (``--backend``):
   it measures moto more than the client);
 * ``gcs-emulator``: ``gcp-storage-emulator`` (Python; use a small ``--total-mb``).
 
-Prints timings and ratios, then one JSON line; ``ratio`` is ours vs the issue's
-baseline (sequential ``download_file`` on S3, single stream on GCS).
+Prints wall time, throughput and CPU seconds (this process's threads; the server's
+process tree) per side, the ratios, then one JSON line; ``ratio`` is ours vs the
+issue's baseline (sequential ``download_file`` on S3, single stream on GCS). When
+client and server share a few cores every side is CPU-bound, and the CPU columns
+say more than the wall times.
 
     .venv/bin/python bench/staging.py --total-mb 1024 --files 64
     .venv/bin/python bench/staging.py --backend moto --total-mb 1024 --files 64
