@@ -11,6 +11,10 @@ save carries weights + 2 moments), wrapped two ways, each measured in the same r
   before it returns, so its floor is a full copy per rank.
 * ``fsdp2``: ``fully_shard`` per layer; every rank holds and copies 1/N of it.
 
+``async`` is the Checkpointer as used (replicated entries split over the ranks
+before ``async_save``, so each rank copies about 1/N); ``async_unsplit`` is plain
+``async_save`` of every rank's whole state dict, the previous behaviour.
+
 ``--process`` adds DCP's process-based async checkpointer (measured after one
 warm-up save, which starts its helper processes). Prints one JSON line on rank 0;
 a save's blocking time is the slowest rank's (every rank waits for it).
@@ -62,9 +66,13 @@ def measure(kind: str, args: argparse.Namespace, base: Path) -> dict[str, float]
         m, o = get_state_dict(model, opt)
         return {"model": m, "optim": o}
 
-    results: dict[str, list[float]] = {"sync": [], "async": [], "copy": []}
+    results: dict[str, list[float]] = {"sync": [], "async": [], "async_unsplit": [], "copy": []}
     sync_ckpt = Checkpointer(base / kind / "sync", keep=2, use_async=False)
     async_ckpt = Checkpointer(base / kind / "async", keep=2, use_async=True)
+    # Every rank copies its whole (replicated) state before async_save returns.
+    unsplit_ckpt = Checkpointer(
+        base / kind / "unsplit", keep=2, use_async=True, split_replicated=False
+    )
     proc_group = None
     if args.process:
         import torch.distributed.checkpoint as dcp
@@ -92,10 +100,11 @@ def measure(kind: str, args: argparse.Namespace, base: Path) -> dict[str, float]
             elif what == "sync":
                 sync_ckpt.save(state(), step)
                 results["sync"].append(sync_ckpt.last_blocking_s or 0.0)
-            elif what == "async":
-                async_ckpt.save(state(), step)
-                results["async"].append(async_ckpt.last_blocking_s or 0.0)
-                async_ckpt.wait()  # finished before the next measurement starts
+            elif what in ("async", "async_unsplit"):
+                ckpt = async_ckpt if what == "async" else unsplit_ckpt
+                ckpt.save(state(), step)
+                results[what].append(ckpt.last_blocking_s or 0.0)
+                ckpt.wait()  # finished before the next measurement starts
             else:
                 import torch.distributed.checkpoint as dcp
                 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -108,8 +117,8 @@ def measure(kind: str, args: argparse.Namespace, base: Path) -> dict[str, float]
                 )
                 results["async_process"].append(time.perf_counter() - t0)
                 fut.result()
-    sync_ckpt.close()
-    async_ckpt.close()
+    for c in (sync_ckpt, async_ckpt, unsplit_ckpt):
+        c.close()
     med = {k: torch.tensor([statistics.median(v)], dtype=torch.float64) for k, v in results.items()}
     for t in med.values():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -210,6 +210,66 @@ def save_distributed(
     return step_dir
 
 
+def split_replicated(state_dict: dict, *, group=None) -> dict:
+    """This rank's share of a state dict whose plain entries are replicated (DDP).
+
+    DCP writes a replicated tensor once, from one rank, but ``async_save`` first
+    copies every rank's *whole* state to CPU memory, so with DDP each rank copies
+    everything and the step blocks for that. Here the entries every rank has are
+    spread over the ranks (largest first, to the least loaded; the same choice on
+    every rank) and each rank keeps only its own plus what only it has (its RNG
+    states). Sharded entries (DTensor, FSDP2) stay where they are. The checkpoint
+    is the same as a full save: DCP's metadata lists every entry once, and a load
+    asks for the whole state as usual. Same key means same value is DCP's own rule
+    for plain tensors (its deduplication keeps one copy), so nothing new is assumed.
+    A collective on ``group``: every rank calls it.
+    """
+    import torch
+    import torch.distributed as dist
+
+    leaves: dict[tuple, object] = {}
+
+    def walk(d: dict, prefix: tuple) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict) and v:
+                walk(v, (*prefix, k))
+            else:
+                leaves[(*prefix, k)] = v
+
+    walk(state_dict, ())
+
+    def nbytes(v: object) -> int | None:
+        if isinstance(v, torch.Tensor):
+            # Exact type: subclasses (DTensor) are sharded already; leave them alone.
+            return v.numel() * v.element_size() if type(v) is torch.Tensor else None
+        return 64  # a small Python object (scheduler fields, sampler position)
+
+    if any(isinstance(v, torch.Tensor) and type(v) is not torch.Tensor for v in leaves.values()):
+        return state_dict  # sharded (FSDP2): each rank already holds and copies 1/N
+    movable = sorted(((p, n) for p, v in leaves.items() if (n := nbytes(v)) is not None), key=repr)
+    world = dist.get_world_size(group)
+    gathered: list[list | None] = [None] * world
+    dist.all_gather_object(gathered, movable, group=group)
+    common = set.intersection(*({p for p, _ in g or []} for g in gathered))
+    sizes = dict(gathered[0] or [])
+    load = [0] * world
+    owner: dict[tuple, int] = {}
+    for p in sorted(common, key=lambda p: (-sizes[p], repr(p))):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[p] = r
+        load[r] += sizes[p]
+    rank = dist.get_rank(group)
+    out: dict = {}
+    for p, v in leaves.items():
+        if owner.get(p, rank) != rank:
+            continue
+        d = out
+        for k in p[:-1]:
+            d = d.setdefault(k, {})
+        d[p[-1]] = v
+    return out
+
+
 #: Marks "not distributed": no collectives at all (None means the default group).
 _NO_GROUP = object()
 
@@ -336,6 +396,7 @@ class Checkpointer:
         upload_uri: str | None = None,
         durable_uri: str | None = None,
         on_commit: Callable[[Committed], None] | None = None,
+        split_replicated: bool = True,
     ) -> None:
         """``root`` is the fast local tier. With ``upload_uri`` (file://, s3://,
         gs://), every committed save is then copied there, COMMIT last, and old
@@ -352,6 +413,8 @@ class Checkpointer:
         self.use_async = use_async
         self.extra = dict(extra or {})
         self.on_commit = on_commit
+        self.split_replicated = split_replicated
+        """Each rank saves (and, async, copies) only its share of replicated state."""
         self._distributed = dist.is_available() and dist.is_initialized()
         self._rank = dist.get_rank() if self._distributed else 0
         self._world = dist.get_world_size() if self._distributed else 1
@@ -379,6 +442,8 @@ class Checkpointer:
         self.wait()
         extra = {**self.extra, **(extra or {})}
         t0 = time.perf_counter()
+        if self._distributed and self.split_replicated:
+            state_dict = split_replicated(state_dict, group=self._coll_group_or_none())
         if not self.use_async or (self._group is None and self._distributed):
             save_distributed(state_dict, self.root, step, extra=extra)
             self.last_blocking_s = time.perf_counter() - t0
