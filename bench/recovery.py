@@ -58,6 +58,8 @@ def _train_cmd(steps: int, ckpt: Path, sleep: float) -> list[str]:
         f"file://{ckpt}",
         "--checkpoint-every",
         "10",
+        "--keep",
+        "1000",
         "--step-sleep",
         str(sleep),
     ]
@@ -248,6 +250,7 @@ def agent_steps_per_s(tmp: Path, steps: int, deadline: float) -> float:
         http = svc.wait_ready()
         spec = job_spec(tmp, steps)
         spec["task"]["command"] = spec["task"]["command"].replace("--step-sleep 0.1", "")
+        spec["checkpoint"]["keep"] = 1000  # every commit time stays readable
         job = api_post(http, "/v1/jobs", spec)["id"]
         s = wait_for(http, job, "the end", lambda st, n, v, step: st == "SUCCEEDED", deadline)
         if s[0] != "SUCCEEDED":
@@ -267,19 +270,21 @@ def main() -> None:
         for sub in ("sky", "base", "agent", "bare"):
             (tmp / sub).mkdir()
         incs = skyresume_incidents(tmp / "sky", deadline)
+        for i in incs:
+            steps = ", ".join(f"{x['step']} {x['seconds']:.2f}" for x in i["steps"] if x["seconds"])
+            print(
+                f"skyresume {i['failure_class']}: MTTR {i['mttr_s']:.1f} s, "
+                f"{i['steps_lost']} steps lost ({steps})",
+                flush=True,
+            )
         base = baseline_mttr(tmp / "base")
+        print(f"torchrun --max-restarts, node killed: {base}", flush=True)
         bare = bare_steps_per_s(tmp / "bare", args.steps)
+        print(f"steps/s, bare torchrun: {bare:.2f}", flush=True)
         agent = agent_steps_per_s(tmp / "agent", args.steps, deadline)
+        print(f"steps/s, under the agent: {agent:.2f}", flush=True)
     by_class = {i["failure_class"]: i for i in incs}
     pre, kill = by_class.get("preemption_notice"), by_class.get("node_lost")
-    for i in incs:
-        steps = ", ".join(f"{s['step']} {s['seconds']:.2f}" for s in i["steps"] if s["seconds"])
-        print(
-            f"{i['failure_class']:18} MTTR {i['mttr_s']:.1f} s, {i['steps_lost']} steps lost: "
-            f"{steps}"
-        )
-    print(f"torchrun --max-restarts, node killed: {base}")
-    print(f"steps/s: bare torchrun {bare:.2f}, under the agent {agent:.2f}")
     out = {
         "bench": "recovery",
         "preemption_mttr_s": round(pre["mttr_s"], 2) if pre else None,
