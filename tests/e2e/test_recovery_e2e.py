@@ -138,3 +138,22 @@ def _next_commit(root: Path, deadline: float) -> Path:
             return root / f"step_{now}"
         time.sleep(0.05)
     raise AssertionError("no new checkpoint was committed")
+
+
+def test_a_killed_agent_is_a_lost_node_and_its_orphaned_ranks_are_cleaned_up(service, tmp_path):
+    """The agent dies alone: its ranks train on as orphans. The heartbeat timeout
+    catches it, and the recovery releases the node whole, orphans included."""
+    from orchestrator.launchers.local import node_pids
+
+    http = service
+    job = _submit(http, tmp_path, 400, heartbeat_timeout_s=8, grace_period_s=10)
+    end = time.monotonic() + 600
+    wait_for(http, job, "step 15", lambda st, n, v, step: v is not None and step >= 15, end)
+    node1 = api_get(http, f"/v1/jobs/{job}/attempts")["items"][0]["nodes"][1]["node_id"]
+    api_post(http, f"/v1/jobs/{job}/chaos", {"action": "kill-agent", "node": 1})
+    assert node_pids(job, node1), "the ranks outlive their agent"
+    wait_for(http, job, "a validated attempt 2", lambda st, n, v, step: n >= 2 and v, end)
+    (inc,) = api_get(http, f"/v1/jobs/{job}/incidents")["items"][:1]
+    assert inc["failure_class"] == "node_lost" and "no heartbeat" in inc["message"]
+    assert node_pids(job, node1) == [], "the old node's orphaned ranks were killed"
+    http.post(f"/v1/jobs/{job}/cancel")
