@@ -53,7 +53,8 @@ class Env:
     GRAD_ACCUM = "SKYRESUME_RUN_GRAD_ACCUM"
     GLOBAL_BATCH = "SKYRESUME_RUN_GLOBAL_BATCH"
     #: A JSON file the agent rewrites when the service pushes a new setting while the
-    #: job runs (``{"checkpoint_every": N}``); the training library re-reads it.
+    #: job runs (``{"checkpoint_every": N}``; ``"inject_nan": token`` for chaos); the
+    #: training library re-reads it.
     CONTROL_FILE = "SKYRESUME_RUN_CONTROL_FILE"
 
 
@@ -197,7 +198,8 @@ def check_commit(commit_bytes: bytes, manifest_bytes: bytes, *, source: str = "C
 #: * ``progress``: step, step_time, loss, grad_norm, samples_per_s (every step)
 #: * ``resumed``: step, manifest_digest (once, after every rank agreed on what it
 #:   loaded and before the first optimizer step; step 0 / digest None = fresh start)
-#: * ``checkpoint``: step, path, uploaded_uri, world_size (rank 0, after a commit)
+#: * ``checkpoint``: step, path, uploaded_uri, world_size, blocking_s (rank 0, after a
+#:   commit; blocking_s = how long training waited for the save)
 #: * ``anomaly``: kind (nan | spike | straggler | silent_corruption), step, detail
 #: * ``exit``: code, reason (best effort, just before a deliberate exit)
 PROGRESS_TYPES = frozenset({"progress", "resumed", "anomaly", "checkpoint", "exit"})

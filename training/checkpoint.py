@@ -365,6 +365,8 @@ class Committed:
     """The step directory's URI in the checkpoint store once it is complete there
     (uploaded, or written there directly); None when the upload failed."""
     world_size: int
+    blocking_s: float | None = None
+    """How long training was blocked by this save (async: the copy to host memory)."""
 
 
 class Checkpointer:
@@ -483,7 +485,9 @@ class Checkpointer:
     def _after_commit(self, step: int) -> None:
         uploaded = self._upload(step)
         self._prune_local(step)
-        self.last_committed = Committed(step, step_path(self.root, step), uploaded, self._world)
+        self.last_committed = Committed(
+            step, step_path(self.root, step), uploaded, self._world, self.last_blocking_s
+        )
         if self.on_commit is not None:
             self.on_commit(self.last_committed)
 

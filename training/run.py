@@ -276,6 +276,7 @@ class Run:
         self.reporter = ProgressReporter(config.progress_addr, rank=self.rank)
         self._stop = StopRequest()
         self._control = ControlFile(config.control_file)
+        self._nan_injected: str | None = None
         self._loss_spikes = SpikeDetector("loss_spike", threshold=config.spike_threshold)
         self._grad_spikes = SpikeDetector("grad_norm_spike", threshold=config.spike_threshold)
         self._times = _StepTimes()
@@ -605,6 +606,11 @@ class Run:
         import torch
 
         loss_f = float(loss.detach() if hasattr(loss, "detach") else loss)
+        token = self._control.inject_nan
+        if token is not None and token != self._nan_injected:
+            # Chaos (`skyresume chaos nan`): the agent asked for one NaN on this node.
+            self._nan_injected = token
+            loss_f = math.nan
         gn = None if grad_norm is None else float(grad_norm)
         bad = torch.tensor(
             [0 if math.isfinite(loss_f) and (gn is None or math.isfinite(gn)) else 1]
@@ -779,6 +785,7 @@ class Run:
                 path=str(c.path),
                 uploaded_uri=c.uploaded_uri,
                 world_size=c.world_size,
+                blocking_s=None if c.blocking_s is None else round(c.blocking_s, 4),
             )
 
     def _anomaly(self, kind: str, detail: str) -> None:
