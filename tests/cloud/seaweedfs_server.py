@@ -14,6 +14,7 @@ identity written into ``s3.json``: unsigned or wrongly signed requests get 403.
 
 from __future__ import annotations
 
+import atexit
 import glob
 import json
 import os
@@ -29,6 +30,17 @@ from types import TracebackType
 
 # The gRPC unix sockets weed puts in /tmp whatever its flags say (named by port).
 _SOCKET_GLOB = "/tmp/seaweedfs-*-{port}.sock"
+
+# Servers not yet stopped. A script that dies on an exception before its stop()
+# (a broken pipe into `| head`, say) would otherwise leave a server holding ports
+# and its data dir for good: stop them at interpreter exit.
+_live: set[SeaweedFS] = set()
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    for server in list(_live):
+        server.stop()
 
 
 def weed_binary() -> str | None:
@@ -166,6 +178,7 @@ class SeaweedFS:
 
     def _launch(self, cmd: list[str]) -> None:
         self._cmd = cmd
+        _live.add(self)
         self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
         with open(self.workdir / "weed.log", "ab") as log:
             self.proc = subprocess.Popen(
@@ -203,6 +216,7 @@ class SeaweedFS:
             # Its data is throwaway and a graceful stop takes over 10 s: SIGKILL.
             self.proc.kill()
             self.proc.wait(10)
+        _live.discard(self)
         for port in self.ports.values():
             for path in glob.glob(_SOCKET_GLOB.format(port=port)):
                 os.unlink(path)
