@@ -26,6 +26,7 @@ import argparse
 import copy
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -136,7 +137,10 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    base = Path(args.dir or tempfile.mkdtemp(prefix="skyresume-bench-"))
+    # One directory for every rank (a checkpoint is shared), removed at the end.
+    made = [tempfile.mkdtemp(prefix="skyresume-bench-") if rank == 0 and not args.dir else None]
+    dist.broadcast_object_list(made, src=0)
+    base = Path(args.dir or str(made[0]))
     kinds = ["ddp", "fsdp2"] if args.wrap == "both" else [args.wrap]
     out: dict[str, object] = {"bench": "checkpoint", "ranks": world}
     width = 2048
@@ -161,6 +165,8 @@ def main() -> None:
     if rank == 0:
         print(json.dumps(out))
     dist.barrier()
+    if rank == 0 and not args.dir:
+        shutil.rmtree(base, ignore_errors=True)  # several GB per run
     dist.destroy_process_group()
 
 
