@@ -354,6 +354,7 @@ def main() -> None:
     ap.add_argument("--poll-s", type=float, default=1.0, help="the agents' metadata poll interval")
     ap.add_argument("--provider", default="aws", choices=["aws", "azure"])
     ap.add_argument("--no-baseline", action="store_true", help="skip the service round trip")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     ap.add_argument(
         "--db",
         default="auto",
@@ -374,7 +375,10 @@ def main() -> None:
                 )
                 base["db"] = "postgresql" if db_url else "sqlite"
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if a.keep:
+            print(f"logs kept in {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     target = a.poll_s + 0.25
     print(
         f"notice -> SIGTERM received, {a.nodes} nodes x {a.ranks} ranks,"

@@ -14,12 +14,14 @@ state of a running job).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Annotated, Any, Literal
 
+import anyio
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response, status
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
@@ -27,10 +29,9 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import func, select
-from starlette.concurrency import run_in_threadpool
+from sqlalchemy.orm import Session
 
 from orchestrator.api.auth import job_token, token_matches
-from orchestrator.api.deps import SessionDep
 from orchestrator.store import agents
 from orchestrator.store.models import NodeCommand
 from orchestrator.store.repo import NotFound
@@ -44,6 +45,8 @@ POLL_INTERVAL_S = 0.1
 #: How often a waiting long-poll re-checks its own commands and that its attempt is
 #: still current, whatever the watch says.
 RECHECK_S = 2.0
+#: Worker threads shared by all waiting long-polls (fewer than the pool's connections).
+LONG_POLL_THREADS = 4
 #: The heartbeat period the service expects (an agent may be told to use it).
 HEARTBEAT_S = 1.0
 
@@ -246,6 +249,19 @@ class ReportOut(BaseModel):
     created: bool
 
 
+@contextlib.contextmanager
+def _transaction(request: Request) -> Iterator[Session]:
+    """One transaction, committed and its connection returned *inside* the handler.
+
+    Not ``SessionDep``: a yield dependency keeps the connection until after FastAPI
+    has serialized the response, which needs a worker thread of its own. With 64
+    agents, threads waiting for a pooled connection held every worker while the
+    connections' owners waited for a worker to finish: a deadlock that the pool's
+    30 s timeout broke (found by bench/fanout.py at 64 nodes)."""
+    with request.app.state.sessionmaker.begin() as session:
+        yield session
+
+
 def _translate(e: Exception) -> HTTPException:
     if isinstance(e, NotFound):
         return HTTPException(404, str(e))
@@ -256,34 +272,38 @@ def _translate(e: Exception) -> HTTPException:
 
 @router.post("/register", response_model=RegisterOut)
 def register(
-    job_id: str, attempt: AttemptPath, node_id: NodePath, body: RegisterIn, session: SessionDep
+    request: Request, job_id: str, attempt: AttemptPath, node_id: NodePath, body: RegisterIn
 ) -> RegisterOut:
     """An agent announces its node (again after a restart). 409: not the current attempt."""
     try:
-        reg = agents.register_node(
-            session,
-            job_id,
-            attempt,
-            node_id,
-            node_rank=body.node_rank,
-            hostname=body.hostname,
-            agent_pid=body.agent_pid,
-            provider=body.provider,
-            ranks=[r.model_dump() for r in body.ranks],
-        )
+        with _transaction(request) as session:
+            reg = agents.register_node(
+                session,
+                job_id,
+                attempt,
+                node_id,
+                node_rank=body.node_rank,
+                hostname=body.hostname,
+                agent_pid=body.agent_pid,
+                provider=body.provider,
+                ranks=[r.model_dump() for r in body.ranks],
+            )
+            cursor = reg.command_cursor
     except (NotFound, agents.NotCurrent) as e:
         raise _translate(e) from None
-    return RegisterOut(heartbeat_s=HEARTBEAT_S, command_cursor=reg.command_cursor)
+    return RegisterOut(heartbeat_s=HEARTBEAT_S, command_cursor=cursor)
 
 
 @router.post("/heartbeat")
 def heartbeat(
-    job_id: str, attempt: AttemptPath, node_id: NodePath, body: HeartbeatIn, session: SessionDep
+    request: Request, job_id: str, attempt: AttemptPath, node_id: NodePath, body: HeartbeatIn
 ) -> dict[str, Any]:
     """One per node per period: its state and every local rank's progress.
     404 when the node is not registered (the agent registers again)."""
     try:
-        agents.record_heartbeat(session, job_id, attempt, node_id, body.model_dump(mode="json"))
+        with _transaction(request) as session:
+            doc = body.model_dump(mode="json")
+            agents.record_heartbeat(session, job_id, attempt, node_id, doc)
     except (NotFound, agents.NotCurrent) as e:
         raise _translate(e) from None
     return {}
@@ -319,6 +339,9 @@ class _CommandWatch:
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._waiters = 0
+        #: Long-poll reads get their own few worker threads: however many agents wait,
+        #: they never take the threads (or pooled connections) other requests need.
+        self.limiter = anyio.CapacityLimiter(LONG_POLL_THREADS)
 
     def _read(self) -> list[tuple[int, str, int]]:
         with self._sessionmaker() as s:
@@ -336,7 +359,7 @@ class _CommandWatch:
     async def _run(self) -> None:
         while self._waiters > 0:
             try:
-                rows = await run_in_threadpool(self._read)
+                rows = await anyio.to_thread.run_sync(self._read, limiter=self.limiter)
             except Exception:  # the database blinked; waiters still re-check on their own
                 log.exception("command watch: could not read node_commands")
                 rows = []
@@ -395,8 +418,8 @@ async def commands(
         if seen < 0 or newest > seen or now - checked_at >= RECHECK_S:
             seen, checked_at = max(newest, 0), now
             try:
-                found = await run_in_threadpool(
-                    _check_commands, request, job_id, attempt, node_id, after
+                found = await anyio.to_thread.run_sync(
+                    _check_commands, request, job_id, attempt, node_id, after, limiter=watch.limiter
                 )
             except (NotFound, agents.NotCurrent) as e:
                 raise _translate(e) from None
@@ -409,13 +432,15 @@ async def commands(
 
 @router.post("/reports", response_model=ReportOut)
 def report(
-    job_id: str, attempt: AttemptPath, node_id: NodePath, body: Report, session: SessionDep
+    request: Request, job_id: str, attempt: AttemptPath, node_id: NodePath, body: Report
 ) -> ReportOut:
     """Record a report as an event; the same ``key`` again returns the stored one."""
     try:
-        event, created = agents.record_report(
-            session, job_id, attempt, node_id, body.model_dump(mode="json")
-        )
+        with _transaction(request) as session:
+            event, created = agents.record_report(
+                session, job_id, attempt, node_id, body.model_dump(mode="json")
+            )
+            out = ReportOut(event_id=event.id, created=created)
     except (NotFound, agents.NotCurrent, ValueError) as e:
         raise _translate(e) from None
-    return ReportOut(event_id=event.id, created=created)
+    return out
