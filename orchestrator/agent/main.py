@@ -578,6 +578,9 @@ class Agent:
                 log.error("set_checkpoint_every: every_steps must be an integer >= 1, got %r", n)
                 return
             write_control_file(self.cfg.control_file, {"checkpoint_every": n})
+        elif kind == "inject_nan":
+            # Chaos: the training library makes this node's next reported loss NaN.
+            write_control_file(self.cfg.control_file, {"inject_nan": str(cmd.get("seq"))})
         else:
             log.error("unknown command type %r (skipped)", kind)
 

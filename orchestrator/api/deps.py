@@ -38,5 +38,8 @@ def require_operator(request: Request) -> None:
         )
 
 
-SessionDep = Annotated[Session, Depends(get_session)]
+# scope="function": commit (and give the connection back) when the handler returns,
+# before the response is sent. With the default, a client could read its own 201
+# before the row was committed (seen on PostgreSQL as a foreign-key failure).
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 OperatorDep = Depends(require_operator)

@@ -15,7 +15,7 @@ from orchestrator.domain.status import JobStatus
 from orchestrator.launchers.base import LaunchError
 from orchestrator.reconciler.loop import incidents
 from orchestrator.store import repo
-from orchestrator.store.models import Attempt, Node
+from orchestrator.store.models import Attempt, Node, NodeCommand
 
 router = APIRouter(prefix="/v1", dependencies=[OperatorDep])
 
@@ -81,7 +81,7 @@ def list_incidents(job_id: str, session: SessionDep) -> dict[str, Any]:
 class ChaosIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    action: Literal["preempt", "kill-node", "kill-agent", "hang-rank", "slow-rank"]
+    action: Literal["preempt", "kill-node", "kill-agent", "hang-rank", "slow-rank", "nan"]
     node: int = Field(ge=0, description="node rank within the current attempt")
     rank: int | None = Field(default=None, ge=0, description="global rank (hang/slow)")
     provider: Literal["aws", "gcp", "azure"] | None = None
@@ -95,10 +95,11 @@ class ChaosIn(BaseModel):
 
 @router.post("/jobs/{job_id}/chaos")
 def chaos(job_id: str, body: ChaosIn, request: Request, session: SessionDep) -> dict[str, Any]:
-    """Inject a failure into a running job on the local launcher."""
+    """Inject a failure into a running job on the local launcher (``nan`` goes through
+    the agents, so it works on any launcher)."""
     job = _job(session, job_id)
     launcher = getattr(request.app.state, "launcher", None)
-    if launcher is None or getattr(launcher, "name", "") != "local":
+    if body.action != "nan" and (launcher is None or getattr(launcher, "name", "") != "local"):
         raise HTTPException(409, "chaos needs the local launcher (skyresume serve, launcher=local)")
     if JobStatus(job.status).is_terminal():
         raise HTTPException(409, f"job {job_id} is {job.status}")
@@ -121,6 +122,20 @@ def chaos(job_id: str, body: ChaosIn, request: Request, session: SessionDep) -> 
         if body.action == "kill-node":
             n = launcher.kill_node(job_id, node_id)
             return {"action": body.action, "node_id": node_id, "killed": n, "at": at}
+        if body.action == "nan":
+            # Through the agent's command channel and control file: the node's ranks
+            # report a NaN loss at their next control poll (a few steps).
+            cmd = NodeCommand(
+                job_id=job_id,
+                attempt=a.number,
+                node_id=node_id,
+                type="inject_nan",
+                args={},
+                created_at=repo.utcnow(),
+            )
+            session.add(cmd)
+            session.commit()
+            return {"action": body.action, "node_id": node_id, "command": cmd.id, "at": at}
         if body.action == "kill-agent":
             launcher.kill_agent(job_id, node_id)
             return {"action": body.action, "node_id": node_id, "at": at}

@@ -87,6 +87,12 @@ def chaos_slow_rank(
     _chaos(job, body)
 
 
+@chaos_app.command("nan")
+def chaos_nan(job: JobArg, node: NodeOpt) -> None:
+    """Make the node's ranks report a NaN loss (through the agent's control file)."""
+    _chaos(job, {"action": "nan", "node": node})
+
+
 def incident_table(items: list[dict[str, Any]]):  # type: ignore[no-untyped-def]
     from rich.table import Table
 

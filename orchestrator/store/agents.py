@@ -34,7 +34,7 @@ from orchestrator.store.models import Attempt, Checkpoint, FailureEvent, Node, N
 from orchestrator.store.repo import NotFound, utcnow
 
 #: Command types an agent understands (docs/agent.md).
-COMMAND_TYPES = frozenset({"checkpoint_and_stop", "stop", "set_checkpoint_every"})
+COMMAND_TYPES = frozenset({"checkpoint_and_stop", "stop", "set_checkpoint_every", "inject_nan"})
 #: Report kinds an agent sends (docs/agent.md).
 REPORT_KINDS = frozenset({"preemption_notice", "rank_exit", "anomaly", "checkpoint", "node_exit"})
 #: Node states: ``registered`` until the first heartbeat, then what the agent says.
