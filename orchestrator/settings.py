@@ -49,6 +49,11 @@ class Settings(BaseSettings):
     """``local`` (nodes as process sessions on this machine) or ``skypilot``."""
     local_provider: str = "aws"
     """Which cloud's metadata format the local nodes' agents poll (aws, gcp, azure)."""
+    local_gpu_memory_gib: float | None = Field(default=None, gt=0)
+    """GPU memory the local nodes declare (none: CPU only, no memory planning)."""
+    local_replacement_gpu_memory_gib: float | None = Field(default=None, gt=0)
+    """GPU memory replacement nodes declare: less than the first launch's makes the
+    memory planner replan activation checkpointing / micro-batch on this machine."""
 
     @field_validator("launcher")
     @classmethod

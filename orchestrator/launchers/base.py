@@ -65,9 +65,12 @@ class LaunchError(RuntimeError):
 class Launcher(Protocol):
     name: str
 
-    def placement_for(self, spec: JobSpec, *, exclude_regions: Sequence[str] = ()) -> Placement:
+    def placement_for(
+        self, spec: JobSpec, *, exclude_regions: Sequence[str] = (), replacement: bool = False
+    ) -> Placement:
         """Where the job's next attempt runs. ``exclude_regions`` (``cloud/region`` or
-        a region name) are those that just preempted or lost a node."""
+        a region name) are those that just preempted or lost a node; ``replacement``
+        is true for every relaunch after an incident."""
         ...
 
     def launch(self, request: LaunchRequest) -> LaunchHandle: ...

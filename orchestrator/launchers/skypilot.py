@@ -309,8 +309,11 @@ class SkyPilotLauncher:
         *,
         exclude_regions: Sequence[str] = (),
         now: datetime | None = None,
+        replacement: bool = False,
     ) -> Placement:
-        """The planner's first choice for ``spec`` (LaunchError naming why, if none)."""
+        """The planner's first choice for ``spec`` (LaunchError naming why, if none).
+        ``replacement`` changes nothing here: what a replacement must avoid comes in
+        ``exclude_regions``, and the planner replans knobs for each candidate's GPU."""
         from orchestrator.launchers.catalog import (
             CatalogUnavailable,
             UnknownAccelerator,

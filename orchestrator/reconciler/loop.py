@@ -735,8 +735,7 @@ class Reconciler:
             cls = FailureClass(incident.failure_class or "unknown") if incident else None
             if failed is not None and cls in BLAMES_REGION and failed.region != "local":
                 kwargs["exclude_regions"] = [failed.region]
-            if self.launcher.name == "local":
-                kwargs["replacement"] = True
+            kwargs["replacement"] = True
         placement: Placement = placement_for(spec, **kwargs)
         if spec.model is not None and placement.gpu_memory_gib and placement.knobs is None:
             plan = plan_memory(

@@ -20,6 +20,8 @@ def make_launcher(settings: Settings, token: str):  # type: ignore[no-untyped-de
             settings.effective_service_url,
             lambda job_id: job_token(token, job_id),
             provider=settings.local_provider,
+            gpu_memory_gib=settings.local_gpu_memory_gib,
+            replacement_gpu_memory_gib=settings.local_replacement_gpu_memory_gib,
         )
     from orchestrator.launchers.skypilot import SkyPilotLauncher
 

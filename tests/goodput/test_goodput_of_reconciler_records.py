@@ -31,7 +31,7 @@ class TwoNodeLauncher:
     name: str = "fake"
     dead: set[str] = field(default_factory=set)
 
-    def placement_for(self, spec, *, exclude_regions=()):  # type: ignore[no-untyped-def]
+    def placement_for(self, spec, *, exclude_regions=(), replacement=False):  # type: ignore[no-untyped-def]
         return Placement("fake", "r1", "cpu", None, 0, spec.num_nodes, spec.spot)
 
     def node_disk(self, job_id: str, attempt: int, index: int) -> Path:

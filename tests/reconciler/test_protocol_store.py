@@ -27,6 +27,7 @@ from orchestrator.launchers.base import ClusterState, ClusterStatus, LaunchHandl
 from orchestrator.reconciler.loop import Reconciler, incidents
 from orchestrator.store import agents, db, repo
 from orchestrator.store.models import Attempt, NodeCommand
+from orchestrator.store.models import ProtocolStep as StepRow
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 
@@ -40,7 +41,7 @@ class FakeLauncher:
     dead: set[str] = field(default_factory=set)
     excluded: list[list[str]] = field(default_factory=list)
 
-    def placement_for(self, spec, *, exclude_regions=()):  # type: ignore[no-untyped-def]
+    def placement_for(self, spec, *, exclude_regions=(), replacement=False):  # type: ignore[no-untyped-def]
         self.excluded.append(list(exclude_regions))
         region = "r2" if "r1" in exclude_regions else "r1"
         return Placement("fake", region, "cpu", None, 0, spec.num_nodes, spec.spot)
@@ -328,3 +329,50 @@ def test_no_interval_is_pushed_without_a_measured_save_time_or_when_not_adaptive
     _measured(w, blocking_s=0.5)
     w.tick(61)
     assert w.commands() == []
+
+
+def test_a_replacement_with_less_gpu_memory_gets_replanned_knobs_and_the_same_global_batch(
+    db_url, tmp_path
+):
+    """The local launcher's declared memory: 80 GiB first, 40 GiB for replacements."""
+    from orchestrator.launchers.local import LocalLauncher
+
+    local = LocalLauncher(
+        tmp_path / "nodes",
+        "http://svc",
+        lambda j: "t",
+        gpu_memory_gib=80,
+        replacement_gpu_memory_gib=40,
+    )
+    w = World(db_url, tmp_path)
+    try:
+        model = {
+            "parameters": 1_300_000_000,
+            "layers": 24,
+            "hidden_size": 2048,
+            "heads": 16,
+            "seq_len": 2048,
+            "global_batch": 64,
+            "micro_batch": 8,
+            "sharding": "ddp",
+        }
+        with w.sm.begin() as s:
+            job = repo.get_job(s, w.job)
+            job.spec = {**job.spec, "model": model}
+        w.launcher.placement_for = local.placement_for  # type: ignore[method-assign]
+        start_running(w)
+        first = w.launcher.launched[0].env
+        assert first[Env.ACTIVATION_CHECKPOINT_EVERY] == "0"
+        write_checkpoint(w.ckpt, 10)
+        w.launcher.dead.add(f"{w.job}-a1-n1")
+        w.run_until("PROVISIONING")
+        second = w.launcher.launched[1].env
+        assert second[Env.ACTIVATION_CHECKPOINT_EVERY] == "2"  # recompute to fit 40 GiB
+        assert second[Env.GLOBAL_BATCH] == first[Env.GLOBAL_BATCH] == "64"
+        knobs = (int(second[Env.MICRO_BATCH]), int(second[Env.GRAD_ACCUM]))
+        assert knobs[0] * knobs[1] * 4 == 64  # 4 data-parallel ranks
+        with w.sm() as s:
+            (sel,) = [r for r in s.query(StepRow).filter_by(step="select_replacement")]
+        assert "for 40 GiB" in sel.detail
+    finally:
+        w.engine.dispose()
