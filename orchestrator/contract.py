@@ -45,6 +45,8 @@ class Env:
     #: train when what they loaded differs.
     EXPECTED_STEP = "SKYRESUME_RUN_EXPECTED_STEP"
     CHECKPOINT_EVERY = "SKYRESUME_RUN_CHECKPOINT_EVERY"
+    #: Complete checkpoints kept (locally and in the store); at least 2.
+    CHECKPOINT_KEEP = "SKYRESUME_RUN_CHECKPOINT_KEEP"
     #: ``host:port`` of the agent's UDP progress listener on loopback.
     PROGRESS_ADDR = "SKYRESUME_RUN_PROGRESS_ADDR"
     #: Training knobs chosen by the memory planner.

@@ -181,6 +181,7 @@ class RunConfig:
             resume_from=env.get(Env.RESUME_FROM, "") or "latest",
             expected_step=_env_int(env, Env.EXPECTED_STEP, None),
             checkpoint_every=_env_int(env, Env.CHECKPOINT_EVERY, 100) or 0,
+            keep=_env_int(env, Env.CHECKPOINT_KEEP, 3) or 3,
             global_batch=_env_int(env, Env.GLOBAL_BATCH, None),
             micro_batch=_env_int(env, Env.MICRO_BATCH, None) or None,
             activation_checkpoint_every=_env_int(env, Env.ACTIVATION_CHECKPOINT_EVERY, 0) or 0,

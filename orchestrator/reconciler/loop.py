@@ -795,6 +795,7 @@ class Reconciler:
             Env.ATTEMPT: str(number),
             Env.CHECKPOINT_URI: spec.checkpoint.uri,
             Env.CHECKPOINT_EVERY: str(spec.checkpoint.every_steps),
+            Env.CHECKPOINT_KEEP: str(spec.checkpoint.keep),
             Env.RESUME_FROM: "latest",
         }
         if resume_step is not None:

@@ -187,6 +187,7 @@ def test_a_preemption_runs_all_seven_steps_and_resumes_on_every_rank_at_the_save
     assert req.attempt == 2
     assert req.env[Env.RESUME_FROM] == "{node_disk}/staged/step_40"
     assert req.env[Env.EXPECTED_STEP] == "40"
+    assert (req.env[Env.CHECKPOINT_EVERY], req.env[Env.CHECKPOINT_KEEP]) == ("10", "3")
     assert w.launcher.downed == [f"{w.job}-a1"]  # released only after the confirm step
     assert w.launcher.excluded[-1] == ["r1"]  # the region that preempted us is avoided
     with w.sm() as s:

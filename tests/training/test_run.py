@@ -160,7 +160,9 @@ def test_config_from_env_reads_the_contract_and_names_bad_values():
         Env.MICRO_BATCH: "4",
         Env.PROGRESS_ADDR: "127.0.0.1:9",
         Env.CONTROL_FILE: "/disk/control.json",
+        Env.CHECKPOINT_KEEP: "5",
     }
+    assert RunConfig.from_env(env).keep == 5
     cfg = RunConfig.from_env(env, keep=4)
     assert (cfg.checkpoint_uri, cfg.local_dir, cfg.resume_from) == (
         "s3://bucket/run",

@@ -102,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=100)
     p.add_argument("--checkpoint-uri", default=env.get(Env.CHECKPOINT_URI, ""))
     p.add_argument("--checkpoint-every", type=int, default=int(env.get(Env.CHECKPOINT_EVERY, 20)))
-    p.add_argument("--keep", type=int, default=3)
+    p.add_argument("--keep", type=int, default=int(env.get(Env.CHECKPOINT_KEEP, 3)))
     p.add_argument(
         "--local-dir",
         default=env.get(Env.LOCAL_CHECKPOINT_DIR, ""),
