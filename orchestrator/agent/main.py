@@ -727,6 +727,11 @@ class Agent:
             return
         if r.status_known and r.exit_code == 0 and not r.signal:
             return  # finished; the others will too
+        if not r.status_known:
+            # torchrun reaped it: a rank that finished must not get its peers SIGTERMed
+            # mid-teardown, and one that failed makes torchrun (max-restarts 0) stop the
+            # group itself within a monitor interval. The status comes from torchrun.
+            return
         self.begin_stop(f"rank {r.rank} ended ({how})", self.cfg.grace_s)
 
     def _report_rank_exit(self, r: rk.Rank) -> None:
