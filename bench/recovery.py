@@ -13,8 +13,9 @@ agent's cost in steps/s, all measured in one run on this machine.
    the first training step of the restarted workers (ranks report over UDP).
    torchrun has no notice path and no replacement node: the survivor carries on
    alone if its rendezvous re-forms.
-3. **overhead**: steps/s of a failure-free run under the agent vs under bare
-   torchrun with the same static rendezvous, from the checkpoints' commit times.
+3. **overhead**: steps/s of a failure-free run with each node under
+   ``skyresume-agent`` vs under bare torchrun (same static rendezvous, script and
+   flags), from the checkpoints' commit times; rounds alternated, best of each.
 
 Ends with one JSON line: ``{"bench": "recovery", ...}``.
 """
@@ -32,6 +33,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -214,60 +216,97 @@ def _commit_rate(ckpt: Path, lo: int, hi: int) -> float:
     return (hi - lo) / (t_hi - t_lo)
 
 
-def bare_steps_per_s(tmp: Path, steps: int) -> float:
-    ckpt = tmp / "ckpt"
-    port = free_port()
+def _two_nodes(argv_for: Any, tmp: Path) -> None:
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
-                f"--node-rank={k}",
-                "--nproc-per-node=2",
-                "--master-addr=127.0.0.1",
-                f"--master-port={port}",
-                "--max-restarts=0",
-                *_train_cmd(steps, ckpt, 0.0),
-            ],
+            argv_for(k),
             env=_env(),
             cwd=REPO,
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stderr=open(tmp / f"node{k}.err", "wb"),  # noqa: SIM115 - the child writes it
         )
         for k in range(2)
     ]
     for p in procs:
         if p.wait(600) != 0:
-            raise RuntimeError(f"bare torchrun exited {p.returncode}")
+            raise RuntimeError(f"{' '.join(p.args[:4])}... exited {p.returncode}")
+
+
+def bare_steps_per_s(tmp: Path, steps: int) -> float:
+    """Two plain torchruns (static rendezvous), the same script and flags."""
+    ckpt, port = tmp / "ckpt", free_port()
+    _two_nodes(
+        lambda k: [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            f"--node-rank={k}",
+            "--nproc-per-node=2",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            "--max-restarts=0",
+            *_train_cmd(steps, ckpt, 0.0),
+        ],
+        tmp,
+    )
     return _commit_rate(ckpt, 20, steps - 10)
 
 
-def agent_steps_per_s(tmp: Path, steps: int, deadline: float) -> float:
-    svc = DemoService(tmp)
-    try:
-        http = svc.wait_ready()
-        spec = job_spec(tmp, steps)
-        spec["task"]["command"] = spec["task"]["command"].replace("--step-sleep 0.1", "")
-        spec["checkpoint"]["keep"] = 1000  # every commit time stays readable
-        job = api_post(http, "/v1/jobs", spec)["id"]
-        s = wait_for(http, job, "the end", lambda st, n, v, step: st == "SUCCEEDED", deadline)
-        if s[0] != "SUCCEEDED":
-            raise RuntimeError(f"job ended {s[0]}")
-    finally:
-        svc.stop()
-    return _commit_rate(tmp / "checkpoints", 20, steps - 10)
+def agent_steps_per_s(tmp: Path, steps: int) -> float:
+    """The same two nodes, each under ``skyresume-agent`` (torchrun inside it, its UDP
+    progress listener, metadata polled every second from a simulator; the ranks send
+    progress datagrams and poll the control file). No service: this is the agent's
+    cost on the node, not the control plane's."""
+    from orchestrator.cloud.simulator import MetadataSimulator
+
+    ckpt, port = tmp / "ckpt", free_port()
+    with MetadataSimulator() as sim:
+        _two_nodes(
+            lambda k: [
+                sys.executable,
+                "-m",
+                "orchestrator.agent",
+                "--job-id",
+                "bench",
+                "--attempt",
+                "1",
+                "--node-id",
+                f"n{k}",
+                "--node-rank",
+                str(k),
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                "--provider",
+                "aws",
+                "--metadata-url",
+                sim.node_url(f"n{k}"),
+                "--local-dir",
+                str(tmp / f"n{k}"),
+                "--",
+                sys.executable,
+                *_train_cmd(steps, ckpt, 0.0),
+            ],
+            tmp,
+        )
+    return _commit_rate(ckpt, 20, steps - 10)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200, help="steps of the throughput runs")
+    p.add_argument("--rounds", type=int, default=3, help="throughput rounds (best taken)")
     args = p.parse_args()
     deadline = time.monotonic() + 1800
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as d:
         tmp = Path(d)
-        for sub in ("sky", "base", "agent", "bare"):
+        for sub in ("sky", "base"):
             (tmp / sub).mkdir()
         incs = skyresume_incidents(tmp / "sky", deadline)
         for i in incs:
@@ -279,10 +318,18 @@ def main() -> None:
             )
         base = baseline_mttr(tmp / "base")
         print(f"torchrun --max-restarts, node killed: {base}", flush=True)
-        bare = bare_steps_per_s(tmp / "bare", args.steps)
-        print(f"steps/s, bare torchrun: {bare:.2f}", flush=True)
-        agent = agent_steps_per_s(tmp / "agent", args.steps, deadline)
-        print(f"steps/s, under the agent: {agent:.2f}", flush=True)
+        # Alternated, best of each: the machine is shared and noisy.
+        bares, agents = [], []
+        for i in range(args.rounds):
+            for name, fn, out in (
+                ("bare", bare_steps_per_s, bares),
+                ("agent", agent_steps_per_s, agents),
+            ):
+                d = tmp / f"{name}{i}"
+                d.mkdir()
+                out.append(fn(d, args.steps))
+                print(f"steps/s, {name} round {i + 1}: {out[-1]:.2f}", flush=True)
+        bare, agent = max(bares), max(agents)
     by_class = {i["failure_class"]: i for i in incs}
     pre, kill = by_class.get("preemption_notice"), by_class.get("node_lost")
     out = {
