@@ -214,7 +214,19 @@ def node_outcome(ranks: list[rk.Rank], stop_reason: str | None) -> tuple[int, st
     """
     if not ranks:
         return EXIT_FAILED, f"no rank ever started ({stop_reason or 'launcher exited'})"
-    bad = [r for r in ranks if r.signal or r.exit_code not in (0, EXIT_SAVED)]
+    saved = any(r.exit_code == EXIT_SAVED and not r.signal for r in ranks)
+
+    def torn_down(r: rk.Rank) -> bool:
+        # torchrun (max-restarts 0) SIGTERMs the remaining workers as soon as one exits
+        # 75; one caught in interpreter teardown then dies of that SIGTERM. The save
+        # they all took part in is collective and was committed before any rank exited.
+        return saved and stop_reason is not None and str(r.signal) in ("SIGTERM", "15")
+
+    bad = [
+        r
+        for r in ranks
+        if (r.signal and not torn_down(r)) or (not r.signal and r.exit_code not in (0, EXIT_SAVED))
+    ]
     if not bad:
         if all(r.exit_code == 0 for r in ranks):
             return EXIT_OK, "all ranks exited 0"

@@ -31,9 +31,26 @@ BASE = ["--job-id", "j", "--attempt", "1", "--node-id", "n0", "--local-dir", "/t
 
 def test_flags_and_command_after_the_double_dash():
     cfg = parse_args(
-        [*BASE, "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "4", "--grace-s", "30",
-         "--launcher", "direct", "--", "python", "-m", "train", "--steps", "5"]
-    )  # fmt: skip
+        [
+            *BASE,
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--nproc-per-node",
+            "4",
+            "--grace-s",
+            "30",
+            "--launcher",
+            "direct",
+            "--",
+            "python",
+            "-m",
+            "train",
+            "--steps",
+            "5",
+        ]
+    )
     assert cfg.command == ("python", "-m", "train", "--steps", "5")
     assert (cfg.nnodes, cfg.node_rank, cfg.nproc_per_node, cfg.world_size) == (2, 1, 4, 8)
     assert cfg.grace_s == 30 and cfg.launcher == "direct" and cfg.service_url is None
@@ -69,10 +86,21 @@ def test_bad_flags_exit_2_with_one_clear_line():
     assert out.stderr.strip() == "skyresume-agent: error: --nnodes must be >= 1, got 0"
     env = {k: v for k, v in os.environ.items() if k != "SKYRESUME_AGENT_TOKEN"}
     out = subprocess.run(
-        [sys.executable, "-m", "orchestrator.agent", *BASE, "--service-url", "http://127.0.0.1:1",
-         "--", "x"],
-        capture_output=True, text=True, timeout=30, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.agent",
+            *BASE,
+            "--service-url",
+            "http://127.0.0.1:1",
+            "--",
+            "x",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+    )
     assert out.returncode == 2 and "SKYRESUME_AGENT_TOKEN is not set" in out.stderr
 
 
@@ -97,11 +125,23 @@ def _rank(rank: int, code: int | None, sig: str | None = None) -> rk.Rank:
         ([(75, None), (75, None)], "notice", 75),
         ([(75, None), (0, None)], None, 75),  # a peer node's stop: they saved anyway
         ([(75, None), (None, "SIGKILL")], "notice", 1),
+        ([(75, None), (None, "SIGTERM")], "notice", 75),  # torchrun's teardown after a save
+        ([(None, "SIGTERM"), (None, "SIGTERM")], "notice", 1),  # nobody saved
         ([(1, None), (75, None)], None, 1),
         ([(None, None)], None, 1),
         ([], "launch failed", 1),
     ],
-    ids=["all-0", "saved", "peer-stop", "killed", "crash", "unknown", "none"],
+    ids=[
+        "all-0",
+        "saved",
+        "peer-stop",
+        "killed",
+        "torn-down",
+        "terminated",
+        "crash",
+        "unknown",
+        "none",
+    ],
 )
 def test_exit_code_mirrors_how_the_ranks_ended(ends, stop, want):
     code, reason = node_outcome([_rank(i, c, s) for i, (c, s) in enumerate(ends)], stop)
@@ -261,8 +301,21 @@ def test_control_file_is_merged_and_replaced_atomically(tmp_path):
 
 
 def _agent(tmp_path: Path) -> Agent:
-    cfg = parse_args(["--job-id", "j", "--attempt", "3", "--node-id", "n1",
-                      "--local-dir", str(tmp_path), "--", "python", "x.py"])  # fmt: skip
+    cfg = parse_args(
+        [
+            "--job-id",
+            "j",
+            "--attempt",
+            "3",
+            "--node-id",
+            "n1",
+            "--local-dir",
+            str(tmp_path),
+            "--",
+            "python",
+            "x.py",
+        ]
+    )
     return Agent(cfg, token="tok", environ={"PATH": "/bin", "SKYRESUME_AGENT_TOKEN": "tok"})
 
 
@@ -322,11 +375,30 @@ def test_agent_sigterm_without_a_service_stops_ranks_and_exits_75(tmp_path):
     env = {**os.environ, "AGENT_TEST_MARKS": str(marks)}
     script = Path(__file__).with_name("rank_script.py")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.agent", "--job-id", "j", "--attempt", "1",
-         "--node-id", "n0", "--nproc-per-node", "3", "--launcher", "direct",
-         "--local-dir", str(tmp_path / "node"), "--", "python", str(script)],
-        env=env, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.agent",
+            "--job-id",
+            "j",
+            "--attempt",
+            "1",
+            "--node-id",
+            "n0",
+            "--nproc-per-node",
+            "3",
+            "--launcher",
+            "direct",
+            "--local-dir",
+            str(tmp_path / "node"),
+            "--",
+            "python",
+            str(script),
+        ],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     logs = tmp_path / "node" / "logs"
     paths = [logs / f"rank_{i}.log" for i in range(3)]
     for _ in range(500):
