@@ -729,10 +729,11 @@ class Reconciler:
         if placement_for is None:
             raise LaunchError(f"launcher {self.launcher.name!r} cannot place jobs")
         kwargs: dict[str, Any] = {}
-        if inc is not None:
-            incident = s.get(FailureEvent, inc)
-            failed = self._attempt(s, spec_job_id(incident), _attempt_of(incident))
-            cls = FailureClass(incident.failure_class or "unknown") if incident else None
+        incident = s.get(FailureEvent, inc) if inc is not None else None
+        if incident is not None:
+            number = int((incident.details or {}).get("attempt", 0))
+            failed = self._attempt(s, incident.job_id, number)
+            cls = FailureClass(incident.failure_class or "unknown")
             if failed is not None and cls in BLAMES_REGION and failed.region != "local":
                 kwargs["exclude_regions"] = [failed.region]
             kwargs["replacement"] = True
@@ -935,11 +936,3 @@ def incidents(s: Session, job_id: str) -> list[dict[str, Any]]:
             }
         )
     return out
-
-
-def spec_job_id(incident: FailureEvent | None) -> str:
-    return incident.job_id if incident is not None else ""
-
-
-def _attempt_of(incident: FailureEvent | None) -> int:
-    return int((incident.details or {}).get("attempt", 0)) if incident is not None else 0
