@@ -94,6 +94,8 @@ class AttemptView:
     validated_step: int | None = None
     launched: bool = True
     nodes: tuple[NodeView, ...] = ()
+    vanished: tuple[str, ...] = ()
+    """Nodes the launcher started that are gone without ever registering."""
 
     @property
     def world_size(self) -> int:
@@ -266,6 +268,13 @@ def detect(s: JobSnapshot, a: AttemptView, cfg: ReconcileConfig) -> RecordFailur
     if a.state not in ("launching", "running"):
         return None
     seen = {n.node_rank: n for n in a.nodes}
+    if a.vanished:
+        return RecordFailure(
+            "node_lost",
+            _F.NODE_LOST,
+            a.vanished[0],
+            f"node {a.vanished[0]} is gone: it exited before it registered with the service",
+        )
     for node in a.nodes:
         if node.exited:
             continue

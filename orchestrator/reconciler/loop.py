@@ -341,7 +341,14 @@ class Reconciler:
                     ranks=ranks,
                 )
             )
+        registered = {v.node_id for v in views}
+        vanished = tuple(
+            n
+            for n in (handle.node_ids if handle is not None else ())
+            if alive_ids is not None and n not in alive_ids and n not in registered
+        )
         return rc.AttemptView(
+            vanished=vanished,
             number=a.number,
             state=a.state,
             started_at=_utc(a.started_at) or now,
@@ -753,43 +760,55 @@ class Reconciler:
         return placement
 
     def _launch(self, s: Session, ctx: _Ctx, number: int, inc: int | None, now: datetime) -> None:
+        """Two ticks: the first records the attempt (committed with the tick), the
+        second starts its nodes. An agent registering must find its attempt, or the
+        service would answer 409 and the agent would stop as superseded."""
         job, spec = ctx.job, ctx.spec
         a = self._attempt(s, job.id, number)
-        confirmed = self._confirmed(s, job.id, inc) if inc is not None else None
-        resume_step = (confirmed or {}).get("step")
-        try:
-            placement = self._placement(s, spec, inc)
-        except (LaunchError, ValueError) as e:
-            if inc is not None:
-                self._step(s, job.id, inc, ProtocolStep.LAUNCH, now)
-                self._finish(s, inc, ProtocolStep.LAUNCH, StepOutcome.FAILED, str(e), now)
-            self._fail(s, ctx, f"no placement: {e}", now)
-            return
         if a is None:
-            a = Attempt(
-                job_id=job.id,
-                number=number,
-                cloud=placement.cloud,
-                region=placement.region,
-                zone=placement.zone,
-                instance_type=placement.instance_type,
-                accelerator=placement.accelerator,
-                num_nodes=placement.num_nodes,
-                spot=placement.spot,
-                price_per_node_hour=placement.price_per_node_hour,
-                knobs={
-                    "ranks_per_node": spec.ranks_per_node,
-                    "gpu_memory_gib": placement.gpu_memory_gib,
-                    **(placement.knobs.to_dict() if placement.knobs else {}),
-                },
-                resume_step=resume_step,
-                started_at=now,
-                state="launching",
-                launcher=self.launcher.name,
-                incident_id=inc,
+            confirmed = self._confirmed(s, job.id, inc) if inc is not None else None
+            try:
+                placement = self._placement(s, spec, inc)
+            except (LaunchError, ValueError) as e:
+                if inc is not None:
+                    self._step(s, job.id, inc, ProtocolStep.LAUNCH, now)
+                    self._finish(s, inc, ProtocolStep.LAUNCH, StepOutcome.FAILED, str(e), now)
+                self._fail(s, ctx, f"no placement: {e}", now)
+                return
+            resume_step = (confirmed or {}).get("step")
+            if resume_step is None and inc is not None:
+                resume_step = 0  # no complete checkpoint: a fresh start, validated at 0
+            s.add(
+                Attempt(
+                    job_id=job.id,
+                    number=number,
+                    cloud=placement.cloud,
+                    region=placement.region,
+                    zone=placement.zone,
+                    instance_type=placement.instance_type,
+                    accelerator=placement.accelerator,
+                    num_nodes=placement.num_nodes,
+                    spot=placement.spot,
+                    price_per_node_hour=placement.price_per_node_hour,
+                    knobs={
+                        "ranks_per_node": spec.ranks_per_node,
+                        "gpu_memory_gib": placement.gpu_memory_gib,
+                        "accelerator_count": placement.accelerator_count,
+                        **(placement.knobs.to_dict() if placement.knobs else {}),
+                    },
+                    resume_step=resume_step,
+                    started_at=now,
+                    state="launching",
+                    launcher=self.launcher.name,
+                    incident_id=inc,
+                )
             )
-            s.add(a)
             s.flush()
+            return
+        inc = inc if inc is not None else a.incident_id
+        confirmed = self._confirmed(s, job.id, inc) if inc is not None else None
+        resume_step = a.resume_step
+        placement = _placement_of(a)
         env = {
             Env.SERVICE_URL: self.service_url,
             Env.JOB_ID: job.id,
@@ -799,10 +818,10 @@ class Reconciler:
             Env.CHECKPOINT_KEEP: str(spec.checkpoint.keep),
             Env.RESUME_FROM: "latest",
         }
-        if resume_step is not None:
+        if inc is not None and (confirmed or {}).get("step") is not None:
             staged = getattr(self.launcher, "node_disk", None) is not None
             env[Env.RESUME_FROM] = (
-                f"{{node_disk}}/staged/{step_dir_name(resume_step)}"
+                f"{{node_disk}}/staged/{step_dir_name(int(confirmed['step']))}"  # type: ignore[index]
                 if staged
                 else str(confirmed["uri"])  # type: ignore[index]
             )
@@ -810,7 +829,6 @@ class Reconciler:
         elif inc is not None:
             env[Env.RESUME_FROM] = "none"
             env[Env.EXPECTED_STEP] = "0"
-            a.resume_step = 0
         if spec.model is not None:
             env[Env.GLOBAL_BATCH] = str(spec.model.global_batch)
             env[Env.MICRO_BATCH] = str(spec.model.micro_batch)
@@ -936,3 +954,30 @@ def incidents(s: Session, job_id: str) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def _placement_of(a: Attempt) -> Placement:
+    """The placement an attempt was recorded with (launching must not re-plan it)."""
+    from orchestrator.domain.plan import TrainingKnobs
+
+    k = a.knobs or {}
+    knobs = (
+        TrainingKnobs(
+            k["micro_batch"], k.get("grad_accum", 1), k.get("activation_checkpoint_every", 0)
+        )
+        if "micro_batch" in k
+        else None
+    )
+    return Placement(
+        cloud=a.cloud,
+        region=a.region,
+        instance_type=a.instance_type,
+        accelerator=a.accelerator,
+        accelerator_count=int(k.get("accelerator_count", 0)),
+        num_nodes=a.num_nodes,
+        spot=a.spot,
+        zone=a.zone,
+        gpu_memory_gib=k.get("gpu_memory_gib"),
+        price_per_node_hour=a.price_per_node_hour,
+        knobs=knobs,
+    )

@@ -116,6 +116,7 @@ def test_goodput_agrees_with_the_reconcilers_incident_after_a_lost_node(tmp_path
                 agents.record_heartbeat(s, job, attempt, nid, body, now=now)
 
     assert tick(1) == "PROVISIONING"
+    tick(1)  # the attempt is committed first; its nodes start on the next tick
     agents_up(1, resumed=0, step=0)
     assert tick(1) == "RUNNING"
     _checkpoint(ckpt, 20)

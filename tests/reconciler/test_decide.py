@@ -268,3 +268,10 @@ def test_a_new_checkpoint_interval_is_pushed_only_when_it_moves_meaningfully(
     current, step_s, interval_s, expected
 ):
     assert rc.checkpoint_every_update(current, step_s, interval_s) == expected
+
+
+def test_a_node_that_exits_before_registering_is_lost_at_once():
+    a = replace(attempt(validated=None, nodes=(node(0),), started=5), vanished=("j-a1-n1",))
+    (out,) = rc.decide(snap(status=S.PROVISIONING, attempt=a))
+    assert out.kind == "node_lost" and out.node_id == "j-a1-n1"
+    assert "before it registered" in out.message

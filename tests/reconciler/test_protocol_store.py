@@ -160,6 +160,8 @@ def world(db_url: str, tmp_path: Path):  # type: ignore[no-untyped-def]
 def start_running(w: World) -> None:
     w.tick()
     assert w.status() == "PROVISIONING"
+    assert w.launcher.launched == []  # the attempt is committed before any node starts
+    w.tick()
     assert w.launcher.launched[0].env[Env.RESUME_FROM] == "latest"
     w.agents_up(1, resumed=0, step=0)
     w.tick()
