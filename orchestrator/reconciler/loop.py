@@ -36,6 +36,7 @@ from orchestrator.domain.spec import JobSpec
 from orchestrator.domain.status import TERMINAL, IllegalTransition, JobStatus
 from orchestrator.launchers.base import LaunchError, LaunchHandle, LaunchRequest
 from orchestrator.store import repo
+from orchestrator.store.goodput import failed_attempt_last_step, rank_values
 from orchestrator.store.models import (
     Attempt,
     FailureEvent,
@@ -175,10 +176,9 @@ class Reconciler:
             return None
         self._last_advice[job.id] = snap.now
         step_times = [
-            r["step_time"]
+            v
             for n in s.scalars(select(Node).where(Node.job_id == job.id, Node.attempt == a.number))
-            for r in (n.progress or {}).get("ranks", []) or []
-            if isinstance(r, dict) and isinstance(r.get("step_time"), int | float)
+            for v in rank_values(n.progress, "step_time")
         ]
         saves = [
             e.details["blocking_s"]
@@ -925,16 +925,11 @@ def incidents(s: Session, job_id: str) -> list[dict[str, Any]]:
             else None
         )
         nxt = s.scalars(select(Attempt).where(Attempt.incident_id == inc.id)).first()
-        # Ranks may finish a step after detection (a stop takes effect at the next
-        # step boundary): the failed attempt's last heartbeats have the true last step.
         number = (inc.details or {}).get("attempt")
-        seen = [(inc.details or {}).get("last_step")] + [
-            r.get("step")
-            for n in s.scalars(select(Node).where(Node.job_id == job_id, Node.attempt == number))
-            for r in (n.progress or {}).get("ranks", []) or []
-            if isinstance(r, dict)
-        ]
-        last = max((x for x in seen if isinstance(x, int)), default=None)
+        nodes = s.scalars(select(Node).where(Node.job_id == job_id, Node.attempt == number))
+        last = failed_attempt_last_step(
+            inc.details, [v for n in nodes for v in rank_values(n.progress, "step")]
+        )
         resumed = nxt.validated_step if nxt is not None else None
         out.append(
             {

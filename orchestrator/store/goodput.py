@@ -189,7 +189,9 @@ def _as_int(x: object) -> int | None:
     return x if isinstance(x, int) and not isinstance(x, bool) else None
 
 
-def _rank_values(progress: object, key: str) -> list[float]:
+def rank_values(progress: object, key: str) -> list[float]:
+    """One number per rank from a node's last heartbeat (``nodes.progress``): its
+    ``key`` (``step``, ``step_time``...), skipping ranks that have not reported it."""
     if not isinstance(progress, dict):
         return []
     ranks = progress.get("ranks")
@@ -201,6 +203,18 @@ def _rank_values(progress: object, key: str) -> list[float]:
         if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0:
             out.append(float(v))
     return out
+
+
+def failed_attempt_last_step(incident_details: object, rank_steps: list[float]) -> int | None:
+    """The last step the failed attempt trained: the highest any rank reported, at
+    detection (the incident's ``last_step``) or later in its nodes' last heartbeats
+    (``rank_steps``): ranks may finish a step or two after detection, since a stop
+    takes effect at the next step boundary."""
+    details = incident_details if isinstance(incident_details, dict) else {}
+    seen = [_as_int(details.get("last_step"))]
+    if rank_steps:
+        seen.append(int(max(rank_steps)))
+    return max((x for x in seen if x is not None), default=None)
 
 
 def _union_seconds(spans: Iterable[tuple[float, float]]) -> float:
@@ -283,8 +297,8 @@ def job_goodput(session: Session, job_id: str, *, now: datetime | None = None) -
     step_times: dict[int, list[float]] = defaultdict(list)
     last_steps: dict[int, list[float]] = defaultdict(list)
     for n in nodes:
-        step_times[n.attempt] += _rank_values(n.progress, "step_time")
-        last_steps[n.attempt] += _rank_values(n.progress, "step")
+        step_times[n.attempt] += rank_values(n.progress, "step_time")
+        last_steps[n.attempt] += rank_values(n.progress, "step")
     attempt_step_s = {a.number: max(step_times[a.number], default=None) for a in attempts}
     weighted = [
         (step_s, t(a.ended_at) - t(a.started_at))
@@ -345,12 +359,9 @@ def job_goodput(session: Session, job_id: str, *, now: datetime | None = None) -
             continue
         failed, recovering = _placement(attempts, ev)
         resumer = next((a for a in recovering if a.resume_step is not None), None)
-        # The ranks may finish a step or two after detection (a stop takes effect at
-        # the next step boundary): the failed attempt's last heartbeats know better.
-        seen = [_as_int((ev.details or {}).get("last_step"))]
-        if failed is not None and last_steps[failed.number]:
-            seen.append(int(max(last_steps[failed.number])))
-        last_step = max((x for x in seen if x is not None), default=None)
+        last_step = failed_attempt_last_step(
+            ev.details, last_steps[failed.number] if failed is not None else []
+        )
         resume_step = resumer.resume_step if resumer else None
         steps_lost = (
             max(0, last_step - resume_step)
