@@ -6,7 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from orchestrator.domain.plan import Placement
+from orchestrator.launchers.base import ClusterState, ClusterStatus, LaunchHandle, LaunchRequest
 
 
 def reset_postgres(url: str) -> None:
@@ -77,3 +81,38 @@ def torchrun(*args: str, nproc: int = 2, pythonpath: str = "") -> subprocess.Pop
     return subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
+
+
+@dataclass
+class FakeLauncher:
+    """A two-node launcher for reconciler tests: records launches and teardowns;
+    nodes named in ``dead`` are gone. A replacement avoids an excluded region r1."""
+
+    root: Path
+    name: str = "fake"
+    launched: list[LaunchRequest] = field(default_factory=list)
+    downed: list[str] = field(default_factory=list)
+    dead: set[str] = field(default_factory=set)
+    excluded: list[list[str]] = field(default_factory=list)
+
+    def placement_for(self, spec, *, exclude_regions=(), replacement=False):  # type: ignore[no-untyped-def]
+        self.excluded.append(list(exclude_regions))
+        region = "r2" if "r1" in exclude_regions else "r1"
+        return Placement("fake", region, "cpu", None, 0, spec.num_nodes, spec.spot)
+
+    def node_disk(self, job_id: str, attempt: int, index: int) -> Path:
+        d = self.root / f"{job_id}-a{attempt}-n{index}"
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def launch(self, request: LaunchRequest) -> LaunchHandle:
+        self.launched.append(request)
+        ids = tuple(f"{request.job_id}-a{request.attempt}-n{k}" for k in range(2))
+        return LaunchHandle(f"{request.job_id}-a{request.attempt}", self.name, ids)
+
+    def status(self, handle: LaunchHandle) -> ClusterStatus:
+        up = tuple(n for n in handle.node_ids if n not in self.dead)
+        return ClusterStatus(ClusterState.UP if len(up) == 2 else ClusterState.PARTIAL, up)
+
+    def down(self, handle: LaunchHandle) -> None:
+        self.downed.append(handle.cluster_name)

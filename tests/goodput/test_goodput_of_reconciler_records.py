@@ -7,48 +7,20 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from testkit import FakeLauncher
 
 from orchestrator.contract import COMMIT_NAME, MANIFEST_NAME, Manifest, ManifestFile, commit_marker
-from orchestrator.domain.plan import Placement
 from orchestrator.domain.protocol import ORDER
 from orchestrator.domain.spec import validate_job_spec
-from orchestrator.launchers.base import ClusterState, ClusterStatus, LaunchHandle, LaunchRequest
 from orchestrator.reconciler.loop import Reconciler, incidents
 from orchestrator.store import agents, db, repo
 from orchestrator.store.goodput import job_goodput
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
-
-
-@dataclass
-class TwoNodeLauncher:
-    root: Path
-    name: str = "fake"
-    dead: set[str] = field(default_factory=set)
-
-    def placement_for(self, spec, *, exclude_regions=(), replacement=False):  # type: ignore[no-untyped-def]
-        return Placement("fake", "r1", "cpu", None, 0, spec.num_nodes, spec.spot)
-
-    def node_disk(self, job_id: str, attempt: int, index: int) -> Path:
-        d = self.root / f"{job_id}-a{attempt}-n{index}"
-        d.mkdir(parents=True, exist_ok=True)
-        return d
-
-    def launch(self, request: LaunchRequest) -> LaunchHandle:
-        ids = tuple(f"{request.job_id}-a{request.attempt}-n{k}" for k in range(2))
-        return LaunchHandle(f"{request.job_id}-a{request.attempt}", self.name, ids)
-
-    def status(self, handle: LaunchHandle) -> ClusterStatus:
-        up = tuple(n for n in handle.node_ids if n not in self.dead)
-        return ClusterStatus(ClusterState.UP if len(up) == 2 else ClusterState.PARTIAL, up)
-
-    def down(self, handle: LaunchHandle) -> None:
-        pass
 
 
 def _checkpoint(root: Path, step: int) -> None:
@@ -74,7 +46,7 @@ def test_goodput_agrees_with_the_reconcilers_incident_after_a_lost_node(tmp_path
     sm = db.make_sessionmaker(engine)
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    launcher = TwoNodeLauncher(tmp_path / "disks")
+    launcher = FakeLauncher(tmp_path / "disks")
     spec = validate_job_spec(
         {
             "name": "t",

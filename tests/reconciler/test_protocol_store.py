@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from testkit import FakeLauncher
 
 from orchestrator.contract import (
     COMMIT_NAME,
@@ -20,48 +20,14 @@ from orchestrator.contract import (
     ManifestFile,
     commit_marker,
 )
-from orchestrator.domain.plan import Placement
 from orchestrator.domain.protocol import ProtocolStep
 from orchestrator.domain.spec import validate_job_spec
-from orchestrator.launchers.base import ClusterState, ClusterStatus, LaunchHandle, LaunchRequest
 from orchestrator.reconciler.loop import Reconciler, incidents
 from orchestrator.store import agents, db, repo
 from orchestrator.store.models import Attempt, NodeCommand
 from orchestrator.store.models import ProtocolStep as StepRow
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
-
-
-@dataclass
-class FakeLauncher:
-    root: Path
-    name: str = "fake"
-    launched: list[LaunchRequest] = field(default_factory=list)
-    downed: list[str] = field(default_factory=list)
-    dead: set[str] = field(default_factory=set)
-    excluded: list[list[str]] = field(default_factory=list)
-
-    def placement_for(self, spec, *, exclude_regions=(), replacement=False):  # type: ignore[no-untyped-def]
-        self.excluded.append(list(exclude_regions))
-        region = "r2" if "r1" in exclude_regions else "r1"
-        return Placement("fake", region, "cpu", None, 0, spec.num_nodes, spec.spot)
-
-    def node_disk(self, job_id: str, attempt: int, index: int) -> Path:
-        d = self.root / f"{job_id}-a{attempt}-n{index}"
-        d.mkdir(parents=True, exist_ok=True)
-        return d
-
-    def launch(self, request: LaunchRequest) -> LaunchHandle:
-        self.launched.append(request)
-        ids = tuple(f"{request.job_id}-a{request.attempt}-n{k}" for k in range(2))
-        return LaunchHandle(f"{request.job_id}-a{request.attempt}", self.name, ids)
-
-    def status(self, handle: LaunchHandle) -> ClusterStatus:
-        up = tuple(n for n in handle.node_ids if n not in self.dead)
-        return ClusterStatus(ClusterState.UP if len(up) == 2 else ClusterState.PARTIAL, up)
-
-    def down(self, handle: LaunchHandle) -> None:
-        self.downed.append(handle.cluster_name)
 
 
 def write_checkpoint(root: Path, step: int, world: int = 4) -> Path:
