@@ -23,7 +23,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 from typing import Any
 
 
@@ -55,8 +55,10 @@ class Env:
     GRAD_ACCUM = "SKYRESUME_RUN_GRAD_ACCUM"
     GLOBAL_BATCH = "SKYRESUME_RUN_GLOBAL_BATCH"
     #: A JSON file the agent rewrites when the service pushes a new setting while the
-    #: job runs (``{"checkpoint_every": N}``; ``"inject_nan": token`` for chaos); the
-    #: training library re-reads it.
+    #: job runs (``{"checkpoint_every": N}``; for chaos ``"inject_fault": {"kind":
+    #: FaultKind, "token": str, "rank": int | None}``, acted on once per token by the
+    #: named global rank, or by every rank of the node when rank is None); the training library
+    #: re-reads it.
     CONTROL_FILE = "SKYRESUME_RUN_CONTROL_FILE"
 
 
@@ -74,6 +76,83 @@ class ExitCode(IntEnum):
     CHECKPOINT_INVALID = 78
     #: The reference forward pass drifted: silent data corruption suspected.
     SILENT_CORRUPTION = 79
+
+
+# --- the shared vocabulary (service, reconciler, agent, training) -----------------------
+#
+# One StrEnum per word list, imported by every side: a value spelled differently on
+# two sides would be a report the service refuses or a command the agent ignores.
+
+
+class CommandType(StrEnum):
+    """What the service asks an agent to do (``node_commands.type``)."""
+
+    CHECKPOINT_AND_STOP = "checkpoint_and_stop"  # SIGTERM every rank: save, then exit 75
+    STOP = "stop"  # stop every rank now (args may ask for stacks first)
+    SET_CHECKPOINT_EVERY = "set_checkpoint_every"  # push a new interval to the ranks
+    INJECT_FAULT = "inject_fault"  # chaos: a rank fails the way ``FaultKind`` says
+
+
+class ReportKind(StrEnum):
+    """What an agent reports (``POST .../reports``); each becomes one event row."""
+
+    PREEMPTION_NOTICE = "preemption_notice"  # the cloud's metadata announced a reclaim
+    RANK_EXIT = "rank_exit"  # one rank's process ended (code, signal, log tail)
+    ANOMALY = "anomaly"  # a rank's monitor found NaN, a spike, a straggler...
+    CHECKPOINT = "checkpoint"  # rank 0 committed a checkpoint
+    NODE_EXIT = "node_exit"  # torchrun ended; the node's outcome
+    EVIDENCE = "evidence"  # stacks (and collective traces) taken before a kill
+    HEALTH_CHECK = "health_check"  # the node's checks before torchrun started
+
+
+class EventKind(StrEnum):
+    """``failure_events.kind``: every report kind, and what the service records itself."""
+
+    PREEMPTION_NOTICE = "preemption_notice"
+    RANK_EXIT = "rank_exit"
+    ANOMALY = "anomaly"
+    CHECKPOINT = "checkpoint"
+    NODE_EXIT = "node_exit"
+    EVIDENCE = "evidence"
+    HEALTH_CHECK = "health_check"
+    NODE_LOST = "node_lost"  # the reconciler: a node vanished, went silent, never came up
+    RANK_HANG = "rank_hang"  # the reconciler: ranks made no progress for the timeout
+    STUCK = "stuck"  # the reconciler: an attempt never validated
+    LAUNCH_FAILED = "launch_failed"  # the launcher refused or failed a launch
+    INCIDENT = "incident"  # one per failed attempt; its protocol steps hang off it
+    CHECKPOINT_CONFIRMED = "checkpoint_confirmed"  # CONFIRM's finding
+    CHECKPOINT_INTERVAL = "checkpoint_interval"  # a new interval pushed to the ranks
+    CHAOS = "chaos"  # an operator injected a fault
+
+
+class AttemptState(StrEnum):
+    """``attempts.state``: one attempt is one launch of the job's nodes."""
+
+    LAUNCHING = "launching"  # recorded; its nodes are being started
+    RUNNING = "running"  # the launcher started every node
+    STOPPING = "stopping"  # an incident opened: its ranks are being stopped
+    ENDED = "ended"  # torn down (or never started); final
+
+
+class NodeState(StrEnum):
+    """What an agent says its node is doing (``nodes.state``)."""
+
+    REGISTERED = "registered"  # until the first heartbeat
+    STARTING = "starting"  # torchrun is starting the ranks
+    RUNNING = "running"
+    STOPPING = "stopping"
+    EXITED = "exited"
+
+
+class FaultKind(StrEnum):
+    """Chaos a rank injects into itself at its next step (``inject_fault``)."""
+
+    NAN = "nan"  # the reported loss becomes NaN once
+    SPIKE = "spike"  # the loss jumps far above its trend for a while
+    OOM = "oom"  # the rank raises torch.OutOfMemoryError
+    XID = "xid"  # the rank writes a real Xid line to its log and dies
+    TRANSPORT = "transport"  # the rank's collective fails with a transport error
+    USER_ERROR = "user_error"  # the rank raises KeyError from its own frame
 
 
 # --- checkpoint layout ---------------------------------------------------------------

@@ -50,7 +50,7 @@ from orchestrator.agent.client import (
     backoff_delays,
 )
 from orchestrator.agent.progress import ProgressBoard, ProgressListener, finite
-from orchestrator.contract import Env, ExitCode
+from orchestrator.contract import CommandType, Env, ExitCode, FaultKind
 
 log = logging.getLogger("skyresume.agent")
 
@@ -576,23 +576,38 @@ class Agent:
     def handle_command(self, cmd: dict[str, Any]) -> None:
         kind, args = cmd.get("type"), cmd.get("args") or {}
         log.info("command %s %s %s", cmd.get("seq"), kind, args)
-        if kind == "checkpoint_and_stop":
+        if kind == CommandType.CHECKPOINT_AND_STOP:
             grace = args.get("grace_s")
             grace = (
                 float(grace) if isinstance(grace, int | float) and grace > 0 else self.cfg.grace_s
             )
             self.begin_stop(f"checkpoint_and_stop: {args.get('reason') or 'service'}", grace)
-        elif kind == "stop":
+        elif kind == CommandType.STOP:
             self.begin_stop(f"stop: {args.get('reason') or 'service'}", STOP_GRACE_S)
-        elif kind == "set_checkpoint_every":
+        elif kind == CommandType.SET_CHECKPOINT_EVERY:
             n = args.get("every_steps")
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 log.error("set_checkpoint_every: every_steps must be an integer >= 1, got %r", n)
                 return
             write_control_file(self.cfg.control_file, {"checkpoint_every": n})
-        elif kind == "inject_nan":
-            # Chaos: the training library makes this node's next reported loss NaN.
-            write_control_file(self.cfg.control_file, {"inject_nan": str(cmd.get("seq"))})
+        elif kind == CommandType.INJECT_FAULT:
+            # Chaos: the node's ranks fail the way the kind says at their next control
+            # poll; the command's seq is the token, so each command acts once.
+            fault = args.get("kind")
+            if fault not in set(FaultKind):
+                log.error("inject_fault: unknown fault kind %r (skipped)", fault)
+                return
+            rank = args.get("rank")
+            write_control_file(
+                self.cfg.control_file,
+                {
+                    "inject_fault": {
+                        "kind": str(fault),
+                        "token": str(cmd.get("seq")),
+                        "rank": rank if isinstance(rank, int) else None,
+                    }
+                },
+            )
         else:
             log.error("unknown command type %r (skipped)", kind)
 

@@ -216,7 +216,7 @@ class RankExitReport(_Report):
 class AnomalyReport(_Report):
     kind: Literal["anomaly"]
     rank: int = Field(ge=0)
-    finding: Literal["nan_divergence", "slow_peer", "silent_corruption"]
+    finding: Literal["nan_divergence", "loss_spike", "slow_peer", "silent_corruption"]
     step: int | None = None
     detail: Any = None
 

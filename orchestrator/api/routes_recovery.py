@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 
 from orchestrator.api.deps import OperatorDep, SessionDep
+from orchestrator.contract import AttemptState, CommandType, FaultKind
 from orchestrator.domain.status import JobStatus
 from orchestrator.launchers.base import LaunchError
 from orchestrator.reconciler.loop import incidents
@@ -81,7 +82,19 @@ def list_incidents(job_id: str, session: SessionDep) -> dict[str, Any]:
 class ChaosIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    action: Literal["preempt", "kill-node", "kill-agent", "hang-rank", "slow-rank", "nan"]
+    action: Literal[
+        "preempt",
+        "kill-node",
+        "kill-agent",
+        "hang-rank",
+        "slow-rank",
+        "nan",
+        "spike",
+        "oom",
+        "xid",
+        "transport",
+        "user-error",
+    ]
     node: int = Field(ge=0, description="node rank within the current attempt")
     rank: int | None = Field(default=None, ge=0, description="global rank (hang/slow)")
     provider: Literal["aws", "gcp", "azure"] | None = None
@@ -93,20 +106,32 @@ class ChaosIn(BaseModel):
     """slow-rank: for how long."""
 
 
+#: Chaos the ranks inject into themselves (through the agent), by action name.
+_FAULTS = {
+    "nan": FaultKind.NAN,
+    "spike": FaultKind.SPIKE,
+    "oom": FaultKind.OOM,
+    "xid": FaultKind.XID,
+    "transport": FaultKind.TRANSPORT,
+    "user-error": FaultKind.USER_ERROR,
+}
+
+
 @router.post("/jobs/{job_id}/chaos")
 def chaos(job_id: str, body: ChaosIn, request: Request, session: SessionDep) -> dict[str, Any]:
     """Inject a failure into a running job on the local launcher (``nan`` goes through
     the agents, so it works on any launcher)."""
     job = _job(session, job_id)
     launcher = getattr(request.app.state, "launcher", None)
-    if body.action != "nan" and (launcher is None or getattr(launcher, "name", "") != "local"):
+    fault = _FAULTS.get(body.action)
+    if fault is None and (launcher is None or getattr(launcher, "name", "") != "local"):
         raise HTTPException(409, "chaos needs the local launcher (skyresume serve, launcher=local)")
     if JobStatus(job.status).is_terminal():
         raise HTTPException(409, f"job {job_id} is {job.status}")
     a = session.scalars(
         select(Attempt).where(Attempt.job_id == job_id).order_by(Attempt.number.desc())
     ).first()
-    if a is None or not a.handle or a.state == "ended":
+    if a is None or not a.handle or a.state == AttemptState.ENDED:
         raise HTTPException(409, f"job {job_id} has no running attempt")
     node_ids = list(a.handle.get("node_ids", []))
     if body.node >= len(node_ids):
@@ -122,15 +147,15 @@ def chaos(job_id: str, body: ChaosIn, request: Request, session: SessionDep) -> 
         if body.action == "kill-node":
             n = launcher.kill_node(job_id, node_id)
             return {"action": body.action, "node_id": node_id, "killed": n, "at": at}
-        if body.action == "nan":
-            # Through the agent's command channel and control file: the node's ranks
-            # report a NaN loss at their next control poll (a few steps).
+        if fault is not None:
+            # Through the agent's command channel and control file, so it works on any
+            # launcher: the node's ranks fail this way at their next control poll.
             cmd = NodeCommand(
                 job_id=job_id,
                 attempt=a.number,
                 node_id=node_id,
-                type="inject_nan",
-                args={},
+                type=CommandType.INJECT_FAULT,
+                args={"kind": str(fault), "rank": body.rank},
                 created_at=repo.utcnow(),
             )
             session.add(cmd)

@@ -34,10 +34,12 @@ GAP_COLOUR = "#c9c9c9"
 _CLASS_PALETTE = (
     "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
     "#bcbd22", "#17becf", "#393b79", "#ad494a", "#637939", "#8c6d31", "#843c39", "#7b4173",
+    "#5254a3", "#6b6ecf", "#9c9ede", "#cedb9c",
 )  # fmt: skip
-CLASS_COLOURS: dict[str, str] = dict(
-    zip((str(c) for c in FailureClass), _CLASS_PALETTE, strict=True)
-)
+# Not strict: the taxonomy may grow past the palette; a new class must still get a colour.
+CLASS_COLOURS: dict[str, str] = {
+    str(c): _CLASS_PALETTE[i % len(_CLASS_PALETTE)] for i, c in enumerate(FailureClass)
+}
 _SERIES_PALETTE = (*_CLASS_PALETTE[:8], "#aaaaaa")
 
 

@@ -26,7 +26,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from orchestrator.contract import ExitCode
+from orchestrator.contract import AttemptState, CommandType, ExitCode, NodeState, ReportKind
 from orchestrator.domain.failures import Classification, FailureClass, classify_failure
 from orchestrator.domain.status import JobStatus
 from orchestrator.store import repo
@@ -34,11 +34,11 @@ from orchestrator.store.models import Attempt, Checkpoint, FailureEvent, Node, N
 from orchestrator.store.repo import NotFound, utcnow
 
 #: Command types an agent understands (docs/agent.md).
-COMMAND_TYPES = frozenset({"checkpoint_and_stop", "stop", "set_checkpoint_every", "inject_nan"})
+COMMAND_TYPES = frozenset(CommandType)
 #: Report kinds an agent sends (docs/agent.md).
-REPORT_KINDS = frozenset({"preemption_notice", "rank_exit", "anomaly", "checkpoint", "node_exit"})
+REPORT_KINDS = frozenset(ReportKind)
 #: Node states: ``registered`` until the first heartbeat, then what the agent says.
-NODE_STATES = frozenset({"registered", "starting", "running", "stopping", "exited"})
+NODE_STATES = frozenset(NodeState)
 #: Exit codes that are not failures: done, or saved after a stop was asked for.
 CLEAN_EXIT_CODES = frozenset({int(ExitCode.OK), int(ExitCode.PREEMPTED_SAVED)})
 
@@ -62,7 +62,7 @@ def is_current_attempt(session: Session, job_id: str, attempt: int) -> bool:
     if JobStatus(job.status).is_terminal():
         return False
     newest = current_attempt(session, job_id)
-    return newest is not None and newest.number == attempt and newest.state != "ended"
+    return newest is not None and newest.number == attempt and newest.state != AttemptState.ENDED
 
 
 def _require_current(session: Session, job_id: str, attempt: int) -> None:
@@ -117,7 +117,7 @@ def register_node(
             node_id=node_id,
             node_rank=node_rank,
             address=hostname,
-            state="registered",
+            state=NodeState.REGISTERED,
             last_heartbeat_at=now,
             progress={"ranks": ranks or [], **info},
             registered_at=now,
@@ -136,7 +136,7 @@ def register_node(
     node.attempt = attempt
     node.node_rank = node_rank
     node.address = hostname
-    node.state = "registered"
+    node.state = NodeState.REGISTERED
     node.last_heartbeat_at = now
     node.progress = {**(node.progress or {}), "ranks": ranks or [], **info}
     session.flush()
@@ -239,19 +239,24 @@ def poll_commands(
 
 
 _ANOMALY_CLASSES = frozenset(
-    {FailureClass.NAN_DIVERGENCE, FailureClass.SLOW_PEER, FailureClass.SILENT_CORRUPTION}
+    {
+        FailureClass.NAN_DIVERGENCE,
+        FailureClass.LOSS_SPIKE,
+        FailureClass.SLOW_PEER,
+        FailureClass.SILENT_CORRUPTION,
+    }
 )
 
 
 def _event_fields(kind: str, report: dict[str, Any]) -> dict[str, Any]:
     """failure_class, rank and message of the event a report becomes."""
-    if kind == "preemption_notice":
+    if kind == ReportKind.PREEMPTION_NOTICE:
         return {
             "failure_class": FailureClass.PREEMPTION_NOTICE.value,
             "message": f"{report.get('provider')} notice {report.get('notice_kind')}"
             f" (deadline {report.get('deadline') or 'unknown'})",
         }
-    if kind == "rank_exit":
+    if kind == ReportKind.RANK_EXIT:
         code, sig = report.get("exit_code"), report.get("signal")
         how = f"signal {sig}" if sig else f"exit code {code}"
         out: dict[str, Any] = {
@@ -278,7 +283,7 @@ def _event_fields(kind: str, report: dict[str, Any]) -> dict[str, Any]:
             out["failure_class"] = c.failure_class.value
             out["classification"] = c.to_json_dict()
         return out
-    if kind == "anomaly":
+    if kind == ReportKind.ANOMALY:
         finding = report.get("finding")
         if finding not in _ANOMALY_CLASSES:
             raise ValueError(
@@ -289,9 +294,9 @@ def _event_fields(kind: str, report: dict[str, Any]) -> dict[str, Any]:
             "rank": report.get("rank"),
             "message": f"rank {report.get('rank')}: {finding} at step {report.get('step')}",
         }
-    if kind == "checkpoint":
+    if kind == ReportKind.CHECKPOINT:
         return {"message": f"checkpoint at step {report.get('step')}"}
-    if kind == "node_exit":
+    if kind == ReportKind.NODE_EXIT:
         return {"message": f"node exited with {report.get('exit_code')}: {report.get('reason')}"}
     raise ValueError(f"report kind must be one of {sorted(REPORT_KINDS)}, got {kind!r}")
 
@@ -335,12 +340,12 @@ def record_report(
     )
     if not created:
         return event, False
-    if kind == "checkpoint":
+    if kind == ReportKind.CHECKPOINT:
         _upsert_checkpoint(session, job_id, report, now=now)
-    elif kind == "node_exit":
+    elif kind == ReportKind.NODE_EXIT:
         node = _node(session, job_id, node_id)
         if node is not None and node.attempt == attempt:
-            node.state = "exited"
+            node.state = NodeState.EXITED
             session.flush()
     return event, True
 
