@@ -31,6 +31,9 @@ from orchestrator.contract import ExitCode
 
 class FailureClass(StrEnum):
     PREEMPTION_NOTICE = "preemption_notice"  # the cloud announced a reclaim
+    # SIGTERM/SIGINT from outside (torchrun "Received 15 death signal", a SLURM cancel):
+    # someone stopped the job; preemption-like, the node itself is not known to be gone.
+    EXTERNAL_TERMINATION = "external_termination"
     NODE_LOST = "node_lost"  # a node vanished: heartbeats stopped, host unreachable
     NCCL_TIMEOUT = "nccl_timeout"  # a collective hung past the watchdog timeout
     NCCL_TRANSPORT = "nccl_transport"  # IB/socket errors inside NCCL (often transient)
@@ -40,6 +43,7 @@ class FailureClass(StrEnum):
     HOST_OOM_KILLED = "host_oom_killed"  # the kernel OOM killer SIGKILLed a rank
     GPU_HARDWARE = "gpu_hardware"  # ECC, Xid, fallen off the bus
     NAN_DIVERGENCE = "nan_divergence"  # loss or gradients went NaN/Inf
+    LOSS_SPIKE = "loss_spike"  # the loss jumped far above its trend and stayed, not NaN
     SILENT_CORRUPTION = "silent_corruption"  # results drifted without any error
     CHECKPOINT_IO = "checkpoint_io"  # save/load failed or loaded state is unusable
     HEALTH_CHECK_FAILED = "health_check_failed"  # pre-flight / periodic node check failed
@@ -254,11 +258,15 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"QUOTA_EXCEEDED|exceeds? (your )?quota",
     )
     + _r(
+        _F.EXTERNAL_TERMINATION,
+        0.8,
+        # torchrun itself got SIGTERM/SIGINT from outside (scheduler, user, node shutdown).
+        r"Received (\d+|Signals\.SIG\w+) death signal",
+    )
+    + _r(
         _F.NODE_LOST,
         0.8,
         r"heartbeat (missed|lost|timed out)",
-        # torchrun itself got SIGTERM: the machine is being shut down under it.
-        r"Received (\d+|Signals\.SIG\w+) death signal",
         # gloo sees a peer's socket close when that peer's process or host dies.
         r"gloo.*Connection closed by peer",
         r"No route to host",
@@ -409,7 +417,66 @@ def classify_failure(
     if sig == 9:
         return Classification(_F.HOST_OOM_KILLED, True, 0.4, ("killed by SIGKILL (signal 9)",))
     if sig == 15:
-        # SIGTERM without a notice: someone stopped the node; treat it as lost.
-        return Classification(_F.NODE_LOST, True, 0.4, ("terminated by SIGTERM (signal 15)",))
+        # SIGTERM without a notice: stopped from outside, not known to be lost.
+        return Classification(
+            _F.EXTERNAL_TERMINATION, True, 0.4, ("terminated by SIGTERM (signal 15)",)
+        )
     ev = (_clip(lines[-1]),) if lines else ()
     return Classification(_F.UNKNOWN, RETRYABLE[_F.UNKNOWN], 0.1, ev)
+
+
+# --- exception signatures --------------------------------------------------------------
+
+# Prefixes launchers put before a rank's line: torchrun's "[rank3]: " (and
+# "[rank3]:[W... ProcessGroupNCCL.cpp:...]"-free forms), accelerate/Megatron's
+# "[default0]:", mpirun's "[1,0]<stderr>:". Python 3.11 exception groups indent with "| ".
+_RANK_PREFIX = re.compile(r"^(?:\s*(?:\[[\w ,.-]*\d+\](?:<std\w+>)?:|\|))*\s*")
+# A Python exception line: a (dotted) class name ending the way Python's and libraries'
+# exception types do, then ": message" or the end of the line.
+_EXC_SIG_LINE = re.compile(
+    r"^((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit))(?::\s?(.*))?$"
+)
+# Launchers' own wrappers name no cause; the user's exception is above them.
+_SIG_WRAPPERS = frozenset({"ChildFailedError", "ProcessExitedException", "SignalException"})
+_NORMALISE: tuple[tuple[re.Pattern[str], Any], ...] = (
+    # Paths before numbers: "/data/x_3.bin" is one path, not a path and a number.
+    (
+        re.compile(r"(?<![\w.])(?:[A-Za-z]:\\|\.{0,2}/|~/)[\w.\-+@=]+(?:[/\\][\w.\-+@=]*)*"),
+        "<path>",
+    ),
+    (re.compile(r"\b0x[0-9a-fA-F]+\b"), "<hex>"),
+    # Ids, hashes, uuids: 8+ hex digits with a digit and a letter (a plain number is <n>).
+    (
+        re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{8,}(?:-[0-9a-f]{4,})*\b", re.I),
+        "<hex>",
+    ),
+    # Tensor sizes and shapes: torch.Size([8, 512]) and (8x512) become <n> lists.
+    (re.compile(r"\b\d+(?:x\d+)+\b"), lambda m: "x".join(["<n>"] * (m[0].count("x") + 1))),
+    (re.compile(r"(?<![A-Za-z_])[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"), "<n>"),
+    (re.compile(r"\s+"), " "),
+)
+#: Signatures are cut here: two errors that agree this far are the same error.
+MAX_SIGNATURE_CHARS = 300
+
+
+def exception_signature(text: str) -> str | None:
+    """The last Python exception line of ``text``, normalised so repeats compare equal.
+
+    ``KeyError: 'input_ids'`` stays as it is; numbers, hex ids, paths and tensor sizes
+    become ``<n>``, ``<hex>``, ``<path>`` (``ValueError: got 17 items at /data/x_3.bin``
+    -> ``ValueError: got <n> items at <path>``), so the same bug on another rank, step or
+    shard has the same signature. Launcher prefixes (``[rank3]: ``) are dropped and
+    torchrun's own ``ChildFailedError`` is skipped. ``None`` when no line is an
+    exception. Pure.
+    """
+    for raw in reversed(text.splitlines()):
+        line = _RANK_PREFIX.sub("", raw, count=1).strip()
+        m = _EXC_SIG_LINE.match(line)
+        if m is None or m.group(1).rsplit(".", 1)[-1] in _SIG_WRAPPERS:
+            continue
+        name, message = m.group(1), (m.group(2) or "").strip()
+        for pattern, repl in _NORMALISE:
+            message = pattern.sub(repl, message)
+        sig = f"{name}: {message.strip()}" if message.strip() else name
+        return sig[:MAX_SIGNATURE_CHARS]
+    return None
