@@ -93,7 +93,10 @@ def _r(cls: FailureClass, confidence: float, *patterns: str) -> list[_Rule]:
 
 
 # Scores: root causes > their symptoms. A CUDA OOM or Xid on one rank leaves every
-# other rank in a hung collective, so OOM/hardware must outrank the watchdog timeout.
+# other rank in a hung collective, and torchrun then SIGTERMs the rank's peers, so
+# OOM/hardware outrank the watchdog timeout, which outranks the teardown lines. A
+# user's exception (scored in :func:`_exception_hit`) sits between the two: above the
+# collateral timeouts and teardown, below the named resource and hardware causes.
 _RULES: tuple[_Rule, ...] = tuple(
     _r(
         _F.GPU_HARDWARE,
@@ -103,39 +106,90 @@ _RULES: tuple[_Rule, ...] = tuple(
         # These are the memory/bus/NVLink codes NVIDIA says need a reset or RMA.
         r"\bXid\b(?:\s*\([^)]*\))?:?\s*(48|61|62|63|64|74|79|92|94|95|119|120|140)\b",
         r"fallen off the bus",
-        r"cudaErrorECCUncorrectable",
+        r"cudaErrorECCUncorrectable|ECC_UNCORRECTABLE|ecc errors? (detected|encountered)",
         r"GPU is lost",
         r"NVLink.*(fatal|error)",
+        r"RmInitAdapter failed",
+        r"Unable to determine the device handle for GPU",
+        r"GPU requires reset|GPU reset required",
+        r"(pcieport|AER).*(error|Timeout)",
+        r"PCIe Bus Error",
+        r"Row ?remap(ping)? (failure|pending)",
     )
-    + _r(_F.GPU_HARDWARE, 0.75, r"an illegal memory access was encountered")
     + _r(
         _F.GPU_HARDWARE,
-        0.7,
-        r"unspecified launch failure",
+        0.75,
+        r"an illegal memory access was encountered|CUDA_ERROR_ILLEGAL_ADDRESS",
+        r"unspecified launch failure|cudaErrorLaunchFailure",
         r"\bXid\b",
-        r"unhandled cuda error",
-        r"ncclUnhandledCudaError",
+        r"NVRM: .*(error|failed)",
     )
+    + _r(_F.GPU_HARDWARE, 0.6, r"unhandled cuda error", r"ncclUnhandledCudaError")
     # An index out of range inside a kernel: the user's bug, not the GPU's.
-    + _r(_F.USER_CODE_ERROR, 0.8, r"device-side assert triggered")
+    + _r(
+        _F.USER_CODE_ERROR,
+        0.86,
+        r"device-side assert(ion)? triggered",
+        r"Assertion `.*` failed",
+        r"index out of (range|bounds)|out of bounds for (dimension|axis)",
+        r"mat1 and mat2 shapes cannot be multiplied",
+        r"Expected all tensors to be on the same device",
+        r"(Missing|Unexpected) key\(s\) in state_dict",
+        r"size mismatch for \S+: copying a param",
+        r"The size of tensor a \(\d+\) must match",
+        r"Sizes of tensors must match",
+        r"shape '\[.*\]' is invalid for input of size",
+        r"Given groups=\d+, weight of size",
+        r"Expected (input|target) batch_size",
+        r"expected scalar type \w+ but found",
+        r"(Input|input) type \(.*\) and weight type \(.*\) should be the same",
+        r"does not require grad and does not have a grad_fn",
+        r"Trying to backward through the graph a second time",
+        r"modified by an inplace operation",
+        r"Can't call numpy\(\) on Tensor that requires grad",
+        r"Expected .* to have \d+ channels, but got \d+ channels",
+        r"got an unexpected keyword argument",
+        r"object has no attribute",
+        r"No module named",
+        r"is not defined\b",
+    )
     + _r(
         _F.PREEMPTION_NOTICE,
         0.9,
-        r"spot instance (interruption|termination)",
+        r"spot (instance )?(interruption|termination)",
         r"instance-action.*(terminate|stop|hibernate)",
         r'"EventType"\s*:\s*"Preempt"',
         r"compute\.instances\.preempted",
-        r"instance was preempted",
-        r"preemption notice",
+        r"\b(was|were|been|got|is|being) pre-?empted\b",
+        r"\bpre-?emption (notice|warning|signal|event|detected)",
+        r"PreemptionError|PREEMPTED\b",
+        r"termination is imminent",
+        r"(is going to|will) be (interrupted|preempted|reclaimed)",
+        r"\bpreempted\b.*(instance|node|vm|cluster|tpu|spot)",
+        r"(instance|node|vm|cluster|tpu|spot)\b.*\bpreempted\b",
+        r"Terminating unhealthy (spot )?cluster",
+        r"=== Recovering\.\.\. ===",
     )
     + _r(
         _F.HOST_OOM_KILLED,
         0.96,
         r"Out of memory: Kill(ed)? process",
-        r"oom-kill:",
-        r"invoked oom-killer",
+        r"oom-kill|oom_kill_process|invoked oom-killer",
         r"OOMKilled",
         r"Memory cgroup out of memory",
+        r"(killed|kill) .*due to (memory pressure|the node running low on memory)",
+        r"running low on memory",
+        r"insufficient shared memory|out of shared memory|shared memory limit",
+        r"Unexpected bus error encountered in worker",
+        r"DataLoader worker \(pid \d+\) is killed by signal: (Killed|Bus error)",
+        r"DefaultCPUAllocator: (can't allocate memory|not enough memory)",
+        r"OOM when allocating tensor .*device:CPU",
+        r"unable to write to file </torch_",
+        r"exceed(ed|ing)? (the )?memory limit|memory limit exceeded",
+        r"Cannot allocate memory",
+        r"std::bad_alloc",
+        r"^(?:\[rank\d+\]:\s*)?MemoryError\b",
+        r"Unable to allocate [\d.]+ [KMGT]i?B for an array",
     )
     + _r(
         _F.HOST_OOM_KILLED,
@@ -143,28 +197,52 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"exitcode\s*:\s*-9\b",
         r"Signal 9 \(SIGKILL\)",
         r"killed by signal: Killed",
+        r"^\W*Killed\W*$",
+        r"exit(ed)? (with )?(code|status) 137\b",
     )
     + _r(
         _F.CUDA_OOM,
         0.95,
         r"CUDA out of memory",
-        r"OutOfMemoryError",
+        r"\btorch\.(cuda\.)?OutOfMemoryError",
+        r"CUDA error: out of memory",
         r"CUBLAS_STATUS_ALLOC_FAILED",
-        r"cudaErrorMemoryAllocation",
-        r"NCCL WARN Cuda failure 'out of memory'",
+        r"cudaErrorMemoryAllocation|CUDA_ERROR_OUT_OF_MEMORY",
+        r"Cuda failure (2 )?'out of memory'",
+        r"(HIP|XPU|MPS|NPU) (backend )?out of memory|hipErrorOutOfMemory",
+        r"cuda failed with error 2 out of memory",
+        r"OOM when allocating tensor .*device:GPU",
+        r"RESOURCE_EXHAUSTED: Out of memory",
+        r"out of memory.*(GPU|device|cuda)|(GPU|device|cuda).*out of memory",
     )
+    + _r(_F.CUDA_OOM, 0.8, r"^(?:\[rank\d+\]:\s*)?OutOfMemoryError\b")
     + _r(
         _F.NAN_DIVERGENCE,
         0.92,
         r"loss is nan",
         r"loss is inf",
+        r"Loss became infinite or NaN",
         r"\bnan (loss|detected)",
         r"returned nan values",
         r"Minimum loss scale reached",
+        r"loss scale already at minimum",
         r"found NaN in",
+        r"NaN or Inf found in",
         r"(inf|nan) (values )?(in|or (inf|nan) (values )?in) (the )?grad",
-        r"grad(ient)?[ _]norm (is )?(nan|inf)",
+        r"grad(ient)?[ _]norm\W{0,4}(is )?(nan|inf)\b",
         r"non-finite (loss|gradient)",
+        r"\bloss\w*['\"]?\s*[:=]?\s*['\"]?[-+]?(nan|inf)\b",
+        r"\b(NaN|Inf) (loss|gradient)s?\b",
+        r"(loss|gradient)s? (is|are|was|were|became|becomes|become) (nan|inf|NaN)",
+        r"Detected (NaN|inf)",
+    )
+    + _r(_F.NAN_DIVERGENCE, 0.5, r"overflow detected, setting loss scale to: 0\.0")
+    + _r(
+        _F.LOSS_SPIKE,
+        0.85,
+        r"loss spikes?\b",
+        r"spikes? in (the )?(training )?loss",
+        r"loss (suddenly )?(jump|spike|explode)s?",
     )
     + _r(
         _F.SILENT_CORRUPTION,
@@ -179,16 +257,24 @@ _RULES: tuple[_Rule, ...] = tuple(
         _F.CHECKPOINT_IO,
         0.88,
         r"PytorchStreamReader failed",
+        r"PytorchStreamWriter failed",
         r"CheckpointException",
         r"No space left on device",
         r"unexpected EOF, expected \d+ more bytes",
         r"failed finding central directory",
         r"checkpoint (is )?(partial|corrupt|invalid|incomplete)",
-        r"Error\(s\) in loading state_dict",
         r"resume mismatch",
         r"\(SlowDown\)",
         r"Disk quota exceeded",
+        r"invalid load key",
+        r"UnpicklingError",
+        r"file might be corrupted",
+        r"SafetensorError|HeaderTooLarge|MetadataIncompleteBuffer",
+        r"Error while deserializing header",
+        r"EOFError: Ran out of input",
+        r"Unable to load weights from",
     )
+    + _r(_F.CHECKPOINT_IO, 0.7, r"Error\(s\) in loading state_dict")
     + _r(
         _F.NCCL_TIMEOUT,
         0.9,
@@ -197,6 +283,9 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"Timed out waiting \d+ms for (recv|send) operation",
         r"collective operation timeout",
         r"NCCL timeout",
+        r"Heartbeat monitor timed out",
+        r"failed to pass monitoredBarrier",
+        r"Timeout\(ms\)=\d+",
     )
     + _r(_F.NCCL_TIMEOUT, 0.5, r"Some NCCL operations have failed or timed out")
     + _r(
@@ -207,22 +296,28 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"ncclRemoteError",
         r"remote process exited or there was a network error",
         r"ncclSystemError",
-        r"NCCL WARN (Net|socket\w*) ?:",
+        r"NCCL WARN (Net|socket\w*|NET/Socket) ?:",
         r"ibv_\w+ failed",
         r"NCCL WARN Call to (connect|recv|send)",
         r"unhandled system error",
         r"NCCL error.*(network|socket|Connection)",
+        r"transport retry counter exceeded|RETRY_EXC_ERR",
+        r"ncclInternalError",
     )
     + _r(
         _F.RENDEZVOUS_FAILURE,
         0.88,
         r"Rendezvous(Timeout|Closed|Connection|State)Error",
         r"The connection to the C10d store has failed",
-        r"client socket has timed out after \d+s? while trying to connect",
+        r"client socket has timed out after \d+\w* while trying to connect",
+        r"client socket has failed to connect",
+        r"server socket has failed to (listen|bind)",
         r"Socket Timeout.*(store|rendezvous)",
         r"rendezvous.*(timed out|failed)",
         r"DistStoreError",
+        r"DistNetworkError",
         r"EADDRINUSE|address already in use",
+        r"Timed out initializing process group",
     )
     + _r(
         _F.SLOW_PEER,
@@ -232,6 +327,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"straggler_gpus_(relative|individual).*rank=\d+",
         r"rank \d+ is (a )?(slow|straggler)",
         r"slow (rank|peer|node)s? (detected|found)",
+        r"(HW|SW) (Thermal )?Slowdown\s*:\s*Active",
     )
     + _r(
         _F.HEALTH_CHECK_FAILED,
@@ -239,10 +335,21 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"health ?check failed",
         r"NVIDIA-SMI has failed",
         r"No CUDA GPUs are available",
+        r"no CUDA-capable device is detected|cudaErrorNoDevice",
+        r"CUDA driver version is insufficient",
+        r"all CUDA-capable devices are busy or unavailable|cudaErrorDevicesUnavailable",
         r"dcgmi diag.*fail",
         r"CUDA driver initialization failed",
         r"Found no NVIDIA driver",
         r"GPU count mismatch",
+        r"Failed to initialize NVML",
+        r"Driver/library version mismatch",
+        r"forward compatibility was attempted on non supported HW",
+        r"nvidia-container-cli: initialization error",
+        r"could not select device driver .* with capabilities: \[\[gpu\]\]",
+        r"CUDA unknown error - this may be due to an incorrectly set up environment",
+        r"clock skew",
+        r"Read-only file system",
     )
     + _r(
         _F.CAPACITY_UNAVAILABLE,
@@ -255,27 +362,49 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"Failed to provision all possible launchable resources",
         r"ResourcesUnavailableError",
         r"SpotMaxPriceTooLow|InsufficientCapacity",
-        r"QUOTA_EXCEEDED|exceeds? (your )?quota",
+        r"QUOTA_EXCEEDED|exceeds? (your )?quota|Quota '\w+' exceeded",
+        r"Insufficient nvidia\.com/gpu",
+        r"0/\d+ nodes are available",
+        r"out of (host )?capacity|insufficient capacity",
+        r"(MaxSpotInstanceCount|VcpuLimit|InstanceLimit)Exceeded",
     )
     + _r(
         _F.EXTERNAL_TERMINATION,
         0.8,
         # torchrun itself got SIGTERM/SIGINT from outside (scheduler, user, node shutdown).
         r"Received (\d+|Signals\.SIG\w+) death signal",
+        r"SignalException: Process \d+ got signal",
+        r"\*\*\* (JOB|STEP) \S+ (ON \S+ )?CANCELLED AT",
+        r"DUE TO TIME LIMIT",
+        r"srun: (Force Terminated|error: .*: tasks? [\d,-]+: Terminated)",
+        r"(received|caught|got) (signal )?(SIGTERM|SIGINT|SIGHUP)\b",
+        r"(SIGTERM|SIGINT) received",
+        r"^\W*Terminated\W*$",
+        r"^(?:\[rank\d+\]:\s*)?KeyboardInterrupt\b",
     )
+    + _r(_F.EXTERNAL_TERMINATION, 0.55, r"Signal (15|2|1) \(SIG(TERM|INT|HUP)\) received by PID")
     + _r(
         _F.NODE_LOST,
         0.8,
         r"heartbeat (missed|lost|timed out)",
         # gloo sees a peer's socket close when that peer's process or host dies.
-        r"gloo.*Connection closed by peer",
+        r"Connection closed by peer",
+        r"failed to recv, got 0 bytes",
+        r"Connection was likely closed",
+        r"remote server shutdown or crash",
+        r"possible application crash on rank",
         r"No route to host",
         r"Host is down",
         r"closed by remote host",
         r"node .* (is )?(unreachable|lost|terminated)",
+        r"DUE TO NODE FAILURE",
+        r"lame workers found",
+        r"preemption in a connected worker",
         r"ClusterNotUpError",
         r"instance (was )?(terminated|stopped) (by|unexpectedly)",
+        r"(node|actor|worker) (died|has died) unexpectedly|marked (as )?dead",
     )
+    + _r(_F.NODE_LOST, 0.6, r"Connection reset by peer", r"Broken pipe")
 )
 
 #: Deliberate exit codes from the training library. They outrank log text: the rank
@@ -305,11 +434,26 @@ _AGENT_EVENTS: dict[str, FailureClass] = {
 # where ranks run.
 _SIGNALS: dict[str, int] = {s.name: int(s) for s in _signal.Signals}
 
-_TRACEBACK = re.compile(r"Traceback \(most recent call last\)")
-# The last exception line of a Python traceback, optionally prefixed by torchrun's
-# "[rankN]: " tag. torchrun's own wrapper (ChildFailedError) is not the user's error.
-_EXC_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt))\b")
-_WRAPPERS = ("ChildFailedError", "ProcessExitedException", "SignalException")
+#: Python's ordinary error types (and the parsers' and config libraries' ones): raised
+#: from a training script they mean a bug in the script, its data paths or its config.
+#: Anything else (RuntimeError with an unknown message, a library's own exception) says
+#: nothing by its type alone, and stays ``unknown`` unless a rule names its cause.
+_USER_EXCEPTIONS = frozenset(
+    {
+        "KeyError", "TypeError", "ValueError", "AttributeError", "NameError",
+        "UnboundLocalError", "IndexError", "LookupError", "ImportError",
+        "ModuleNotFoundError", "FileNotFoundError", "IsADirectoryError",
+        "NotADirectoryError", "AssertionError", "SyntaxError", "IndentationError",
+        "TabError", "ZeroDivisionError", "NotImplementedError", "RecursionError",
+        "JSONDecodeError", "UnicodeDecodeError", "UnicodeEncodeError", "ScannerError",
+        "ParserError", "ConfigAttributeError", "ConfigKeyError", "MissingMandatoryValue",
+        "InterpolationResolutionError", "ConfigCompositionException", "ArgumentError",
+    }
+)  # fmt: skip
+#: Above the collateral symptoms (watchdog timeouts score 0.9 but follow a crash only
+#: when no rank's traceback is there; torchrun's teardown lines score lower), below
+#: the named root causes (OOM, hardware, NaN).
+_USER_EXCEPTION_CONFIDENCE = 0.84
 
 _MAX_EVIDENCE = 3
 
@@ -337,14 +481,25 @@ def _clip(line: str) -> str:
 
 def _scan(lines: list[str]) -> Classification | None:
     best: dict[FailureClass, tuple[float, list[str]]] = {}
+
+    def hit(cls: FailureClass, confidence: float, line: str) -> None:
+        conf, ev = best.get(cls, (0.0, []))
+        if line not in ev:
+            ev.append(line)
+        best[cls] = (max(conf, confidence), ev)
+
     for line in lines:
-        for rule in _RULES:
-            if rule.pattern.search(line):
-                conf, ev = best.get(rule.failure_class, (0.0, []))
-                if line not in ev:
-                    ev.append(line)
-                best[rule.failure_class] = (max(conf, rule.confidence), ev)
-                break  # one rule per line: rules are ordered strongest first
+        # The strongest rule that matches the line speaks for it.
+        rule = max(
+            (r for r in _RULES if r.pattern.search(line)),
+            key=lambda r: r.confidence,
+            default=None,
+        )
+        if rule is not None:
+            hit(rule.failure_class, rule.confidence, line)
+    last = _last_exception(lines)
+    if last is not None and last[0].rsplit(".", 1)[-1] in _USER_EXCEPTIONS:
+        hit(_F.USER_CODE_ERROR, _USER_EXCEPTION_CONFIDENCE, last[2])
     if not best:
         return None
     order = list(FailureClass)
@@ -352,16 +507,6 @@ def _scan(lines: list[str]) -> Classification | None:
     # Several matching lines of the same class make it a little surer.
     conf = min(1.0, conf + 0.01 * (len(ev) - 1))
     return Classification(cls, RETRYABLE[cls], conf, tuple(_clip(e) for e in ev[-_MAX_EVIDENCE:]))
-
-
-def _user_exception(lines: list[str]) -> Classification | None:
-    if not any(_TRACEBACK.search(line) for line in lines):
-        return None
-    for line in reversed(lines):
-        m = _EXC_LINE.match(line.strip())
-        if m and not any(w in m.group(1) for w in _WRAPPERS):
-            return Classification(_F.USER_CODE_ERROR, False, 0.7, (_clip(line),))
-    return None
 
 
 def classify_failure(
@@ -411,15 +556,13 @@ def classify_failure(
             return Classification(cls, RETRYABLE[cls], 0.9, ev[:_MAX_EVIDENCE])
     if scanned is not None:
         return scanned
-    user = _user_exception(lines)
-    if user is not None:
-        return user
     if sig == 9:
         return Classification(_F.HOST_OOM_KILLED, True, 0.4, ("killed by SIGKILL (signal 9)",))
-    if sig == 15:
-        # SIGTERM without a notice: stopped from outside, not known to be lost.
+    if sig in (1, 2, 15):
+        # SIGTERM/SIGINT/SIGHUP without a notice: stopped from outside, not known lost.
+        name = _signal.Signals(sig).name
         return Classification(
-            _F.EXTERNAL_TERMINATION, True, 0.4, ("terminated by SIGTERM (signal 15)",)
+            _F.EXTERNAL_TERMINATION, True, 0.4, (f"terminated by {name} (signal {sig})",)
         )
     ev = (_clip(lines[-1]),) if lines else ()
     return Classification(_F.UNKNOWN, RETRYABLE[_F.UNKNOWN], 0.1, ev)
@@ -459,6 +602,17 @@ _NORMALISE: tuple[tuple[re.Pattern[str], Any], ...] = (
 MAX_SIGNATURE_CHARS = 300
 
 
+def _last_exception(lines: list[str]) -> tuple[str, str, str] | None:
+    """(type name, message, raw line) of the last exception line, wrappers skipped."""
+    for raw in reversed(lines):
+        line = _RANK_PREFIX.sub("", raw, count=1).strip()
+        m = _EXC_SIG_LINE.match(line)
+        if m is None or m.group(1).rsplit(".", 1)[-1] in _SIG_WRAPPERS:
+            continue
+        return m.group(1), (m.group(2) or "").strip(), raw
+    return None
+
+
 def exception_signature(text: str) -> str | None:
     """The last Python exception line of ``text``, normalised so repeats compare equal.
 
@@ -469,14 +623,12 @@ def exception_signature(text: str) -> str | None:
     torchrun's own ``ChildFailedError`` is skipped. ``None`` when no line is an
     exception. Pure.
     """
-    for raw in reversed(text.splitlines()):
-        line = _RANK_PREFIX.sub("", raw, count=1).strip()
-        m = _EXC_SIG_LINE.match(line)
-        if m is None or m.group(1).rsplit(".", 1)[-1] in _SIG_WRAPPERS:
-            continue
-        name, message = m.group(1), (m.group(2) or "").strip()
-        for pattern, repl in _NORMALISE:
-            message = pattern.sub(repl, message)
-        sig = f"{name}: {message.strip()}" if message.strip() else name
-        return sig[:MAX_SIGNATURE_CHARS]
-    return None
+    last = _last_exception(text.splitlines())
+    if last is None:
+        return None
+    name, message, _ = last
+    for pattern, repl in _NORMALISE:
+        message = pattern.sub(repl, message)
+    message = message.strip()
+    sig = f"{name}: {message}" if message else name
+    return sig[:MAX_SIGNATURE_CHARS]

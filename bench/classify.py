@@ -1,0 +1,254 @@
+"""The failure classifier measured on real log excerpts (issue #13).
+
+    .venv/bin/python bench/classify.py            # held-out figures, then one JSON line
+    .venv/bin/python bench/classify.py --dev      # development part only, with its misses
+
+The corpus is ``tests/failures/corpus/*.jsonl``: excerpts quoted in public issue threads
+and forums, each labelled with the root cause the thread concluded. It is split BY
+SOURCE PROJECT (:func:`split_of`): every project lies wholly in the development part or
+wholly in the held-out part, so the held-out figure measures how the classifier does on
+projects, log formats and wordings it was never developed against. ``--dev`` is the
+development loop: it scores and lists the development part only and never touches the
+held-out part, whose misses are not for reading one by one.
+
+Prints accuracy overall and per class and the confusion matrix on the held-out part
+(dev accuracy for contrast), and ends with one JSON line ``{"bench": "classify", ...}``.
+Pure CPU, about a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+from orchestrator.domain.failures import FailureClass, classify_failure  # noqa: E402
+
+CORPUS_DIR = _ROOT / "tests" / "failures" / "corpus"
+
+#: Salt of the project hash. Fixed, so a project keeps its side while the corpus grows
+#: (a new project lands on the side its own hash says); changed only if the split
+#: stops meeting :func:`split_problems` and never to move a project the classifier
+#: gets wrong.
+SPLIT_SALT = "skyresume-13"
+#: Share of projects (by hash) in the held-out part.
+HELD_OUT_PERMILLE = 300
+HELD_OUT = "held_out"
+DEV = "dev"
+
+
+@dataclass(frozen=True)
+class Excerpt:
+    id: str
+    label: str
+    source: str
+    project: str
+    reason: str
+    excerpt: str
+    exit_code: int | None
+    signal: int | str | None
+    file: str
+    line: int
+
+
+def load_corpus(directory: Path = CORPUS_DIR) -> list[Excerpt]:
+    """Every excerpt of every ``*.jsonl`` file, in file and line order."""
+    out: list[Excerpt] = []
+    for path in sorted(directory.glob("*.jsonl")):
+        for n, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not raw.strip():
+                continue
+            d = json.loads(raw)
+            out.append(
+                Excerpt(
+                    id=d["id"],
+                    label=d["label"],
+                    source=d["source"],
+                    project=d["project"],
+                    reason=d.get("reason", ""),
+                    excerpt=d["excerpt"],
+                    exit_code=d.get("exit_code"),
+                    signal=d.get("signal"),
+                    file=path.name,
+                    line=n,
+                )
+            )
+    return out
+
+
+def project_key(project: str) -> str:
+    """One spelling per project: ``PyTorch/PyTorch`` and ``pytorch/pytorch `` agree."""
+    p = project.strip().lower().removeprefix("https://").removeprefix("github.com/")
+    return p.removeprefix("www.").rstrip("/")
+
+
+def split_of(project: str, salt: str = SPLIT_SALT) -> str:
+    """``held_out`` or ``dev`` for a project, from a hash of its name alone."""
+    h = hashlib.sha256(f"{salt}:{project_key(project)}".encode()).digest()
+    return HELD_OUT if int.from_bytes(h[:4], "big") % 1000 < HELD_OUT_PERMILLE else DEV
+
+
+def split(corpus: Iterable[Excerpt]) -> tuple[list[Excerpt], list[Excerpt]]:
+    """(development, held-out)."""
+    dev: list[Excerpt] = []
+    held: list[Excerpt] = []
+    for e in corpus:
+        (held if split_of(e.project) == HELD_OUT else dev).append(e)
+    return dev, held
+
+
+#: A class seen in at least this many projects must have held-out examples.
+MIN_PROJECTS_FOR_HELD_OUT = 8
+
+
+def split_problems(corpus: Sequence[Excerpt]) -> list[str]:
+    """What is wrong with the split of this corpus (empty when it is fine)."""
+    problems: list[str] = []
+    projects: dict[str, set[str]] = defaultdict(set)
+    held: Counter[str] = Counter()
+    for e in corpus:
+        projects[e.label].add(project_key(e.project))
+        if split_of(e.project) == HELD_OUT:
+            held[e.label] += 1
+    for label, ps in sorted(projects.items()):
+        if len(ps) >= MIN_PROJECTS_FOR_HELD_OUT and held[label] == 0:
+            problems.append(f"{label}: {len(ps)} projects, none held out")
+    if corpus:
+        share = sum(held.values()) / len(corpus)
+        if not 0.15 <= share <= 0.45:
+            problems.append(f"held-out share of excerpts is {share:.0%}, want 15-45%")
+    return problems
+
+
+def predict(e: Excerpt) -> str:
+    return str(classify_failure(e.exit_code, e.signal, e.excerpt).failure_class)
+
+
+@dataclass(frozen=True)
+class Score:
+    n: int
+    correct: int
+    per_class: dict[str, tuple[int, int]]
+    """label -> (correct, n)"""
+    confusion: dict[tuple[str, str], int]
+    """(label, predicted) -> count"""
+    misses: list[tuple[Excerpt, str]]
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.n if self.n else 0.0
+
+
+def score(items: Sequence[Excerpt]) -> Score:
+    per: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    confusion: Counter[tuple[str, str]] = Counter()
+    misses: list[tuple[Excerpt, str]] = []
+    for e in items:
+        got = predict(e)
+        per[e.label][1] += 1
+        confusion[(e.label, got)] += 1
+        if got == e.label:
+            per[e.label][0] += 1
+        else:
+            misses.append((e, got))
+    correct = sum(c for c, _ in per.values())
+    return Score(
+        len(items),
+        correct,
+        {k: (c, n) for k, (c, n) in per.items()},
+        dict(confusion),
+        misses,
+    )
+
+
+_ABBREV = {str(c): "".join(w[0] for w in str(c).split("_")) for c in FailureClass}
+_ABBREV.update({"nccl_timeout": "nt", "nccl_transport": "ntr", "node_lost": "nl"})
+
+
+def _print_confusion(s: Score) -> None:
+    labels = [str(c) for c in FailureClass]
+    rows = [lab for lab in labels if any(k[0] == lab for k in s.confusion)]
+    cols = [lab for lab in labels if any(k[1] == lab for k in s.confusion)]
+    print("confusion (rows: label, columns: predicted)")
+    print(" " * 22 + "".join(f"{_ABBREV[c]:>5}" for c in cols))
+    for r in rows:
+        cells = "".join(f"{s.confusion.get((r, c), 0) or '.':>5}" for c in cols)
+        print(f"{r:22}{cells}")
+    print("  " + ", ".join(f"{_ABBREV[c]}={c}" for c in cols))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dev", action="store_true", help="score and list the development part only")
+    args = ap.parse_args(argv)
+
+    corpus = load_corpus()
+    dev, held = split(corpus)
+    if args.dev:
+        d = score(dev)
+        print(f"dev accuracy: {d.accuracy:.1%} ({d.correct}/{d.n})")
+        for c in FailureClass:
+            dc, dn = d.per_class.get(str(c), (0, 0))
+            if dn:
+                print(f"{c!s:22} {dc}/{dn} {dc / dn:4.0%}")
+        for e, got in d.misses:
+            tail = e.excerpt[-300:].replace("\n", " | ")
+            print(f"- {e.id} ({e.project}) {e.label} -> {got}\n    {tail}")
+        return 0
+    t0 = time.perf_counter()
+    d, h = score(dev), score(held)
+    per_item_ms = (time.perf_counter() - t0) / max(1, len(corpus)) * 1000
+    projects = {project_key(e.project) for e in corpus}
+    held_projects = {project_key(e.project) for e in held}
+    print(
+        f"corpus: {len(corpus)} excerpts from {len(projects)} projects; "
+        f"held out: {len(held)} excerpts from {len(held_projects)} projects"
+    )
+    for problem in split_problems(corpus):
+        print(f"split problem: {problem}")
+    print(f"dev accuracy:      {d.accuracy:.1%} ({d.correct}/{d.n})")
+    print(f"held-out accuracy: {h.accuracy:.1%} ({h.correct}/{h.n})")
+    print(f"{'class':22} {'held-out':>14} {'dev':>14}")
+    for c in FailureClass:
+        hc, hn = h.per_class.get(str(c), (0, 0))
+        dc, dn = d.per_class.get(str(c), (0, 0))
+        if hn or dn:
+            hs = f"{hc}/{hn} {hc / hn:4.0%}" if hn else "-"
+            ds = f"{dc}/{dn} {dc / dn:4.0%}" if dn else "-"
+            print(f"{c!s:22} {hs:>14} {ds:>14}")
+    _print_confusion(h)
+    per_class = {k: round(c / n, 3) for k, (c, n) in sorted(h.per_class.items())}
+    print(
+        json.dumps(
+            {
+                "bench": "classify",
+                "corpus": len(corpus),
+                "projects": len(projects),
+                "held_out": h.n,
+                "held_out_projects": len(held_projects),
+                "held_out_accuracy": round(h.accuracy, 4),
+                "held_out_min_class": min(per_class.items(), key=lambda kv: kv[1])[0]
+                if per_class
+                else None,
+                "held_out_per_class": per_class,
+                "dev": d.n,
+                "dev_accuracy": round(d.accuracy, 4),
+                "ms_per_excerpt": round(per_item_ms, 3),
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
