@@ -156,7 +156,9 @@ _RULES: tuple[_Rule, ...] = tuple(
     + _r(
         _F.PREEMPTION_NOTICE,
         0.9,
-        r"spot (instance )?(interruption|termination)",
+        r"spot ?(instance ?)?(interruption|termination|interrupted)|spot_interrupted",
+        r"Host EC2 Terminated",
+        r"INTERRUPTED_BY_NO_CAPACITY",
         r"instance-action.*(terminate|stop|hibernate)",
         r'"EventType"\s*:\s*"Preempt"',
         r"compute\.instances\.preempted",
@@ -179,9 +181,11 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"Memory cgroup out of memory",
         r"(killed|kill) .*due to (memory pressure|the node running low on memory)",
         r"running low on memory",
+        r"node was low on resource: memory",
         r"insufficient shared memory|out of shared memory|shared memory limit",
         r"Unexpected bus error encountered in worker",
         r"DataLoader worker \(pid \d+\) is killed by signal: (Killed|Bus error)",
+        r"failed to extend /dev/shm|creating shared memory segment",
         r"DefaultCPUAllocator: (can't allocate memory|not enough memory)",
         r"OOM when allocating tensor .*device:CPU",
         r"unable to write to file </torch_",
@@ -197,7 +201,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"exitcode\s*:\s*-9\b",
         r"Signal 9 \(SIGKILL\)",
         r"killed by signal: Killed",
-        r"^\W*Killed\W*$",
+        r"(?:^|[\s\]>|])\**Killed\**\s*$",
         r"exit(ed)? (with )?(code|status) 137\b",
     )
     + _r(
@@ -211,6 +215,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"Cuda failure (2 )?'out of memory'",
         r"(HIP|XPU|MPS|NPU) (backend )?out of memory|hipErrorOutOfMemory",
         r"cuda failed with error 2 out of memory",
+        r"failed to allocate .* from device|HIP_ERROR_OutOfMemory",
         r"OOM when allocating tensor .*device:GPU",
         r"RESOURCE_EXHAUSTED: Out of memory",
         r"out of memory.*(GPU|device|cuda)|(GPU|device|cuda).*out of memory",
@@ -229,14 +234,20 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"found NaN in",
         r"NaN or Inf found in",
         r"(inf|nan) (values )?(in|or (inf|nan) (values )?in) (the )?grad",
-        r"grad(ient)?[ _]norm\W{0,4}(is )?(nan|inf)\b",
+        r"grad(ient)?[ _]norm\W{0,4}(is )?([\d.]+ \()?(nan|inf)\b",
         r"non-finite (loss|gradient)",
         r"\bloss\w*['\"]?\s*[:=]?\s*['\"]?[-+]?(nan|inf)\b",
         r"\b(NaN|Inf) (loss|gradient)s?\b",
         r"(loss|gradient)s? (is|are|was|were|became|becomes|become) (nan|inf|NaN)",
         r"Detected (NaN|inf)",
     )
-    + _r(_F.NAN_DIVERGENCE, 0.5, r"overflow detected, setting loss scale to: 0\.0")
+    + _r(
+        _F.NAN_DIVERGENCE,
+        0.5,
+        # fp16 overflow: the gradients were Inf; scores low, these repeat in healthy runs.
+        r"overflow detected, setting loss scale to: 0\.0",
+        r"OVERFLOW! Rank \d+ Skipping step",
+    )
     + _r(
         _F.LOSS_SPIKE,
         0.85,
@@ -252,6 +263,14 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"reference forward (pass )?drift",
         r"checksum mismatch across",
         r"(parameters|weights) (differ|diverged) across",
+        # nccl-tests' correctness check and torch.testing's report of wrong values.
+        r"Out of bounds values\s*:\s*[1-9]\d*",
+        r"Mismatched elements: [1-9]\d* /",
+        r"(results?|outputs?|values?) (are |is )?(wrong|incorrect|corrupted)",
+        r"(?-i:\bWRONG\b)",
+        r"Results (do not match|mismatch)",
+        r"Difference at \d+: .*, expected",
+        r"CPU value .* GPU value",
     )
     + _r(
         _F.CHECKPOINT_IO,
@@ -272,9 +291,13 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"SafetensorError|HeaderTooLarge|MetadataIncompleteBuffer",
         r"Error while deserializing header",
         r"EOFError: Ran out of input",
+        r"storage has wrong size",
+        r"File .* cannot be opened",
         r"Unable to load weights from",
     )
     + _r(_F.CHECKPOINT_IO, 0.7, r"Error\(s\) in loading state_dict")
+    # torch's zip writer lost bytes on the way to the file (disk, RAM or a network FS).
+    + _r(_F.CHECKPOINT_IO, 0.97, r"unexpected pos \d+ vs \d+")
     + _r(
         _F.NCCL_TIMEOUT,
         0.9,
@@ -287,6 +310,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"failed to pass monitoredBarrier",
         r"Timeout\(ms\)=\d+",
     )
+    + _r(_F.NCCL_TIMEOUT, 0.8, r"ncclCommWatchdog")
     + _r(_F.NCCL_TIMEOUT, 0.5, r"Some NCCL operations have failed or timed out")
     + _r(
         _F.NCCL_TRANSPORT,
@@ -299,6 +323,8 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"NCCL WARN (Net|socket\w*|NET/Socket) ?:",
         r"ibv_\w+ failed",
         r"NCCL WARN Call to (connect|recv|send)",
+        r"\bNet : Call to (connect|recv|send)",
+        r"NCCL error in: .*(internal|system|remote) error",
         r"unhandled system error",
         r"NCCL error.*(network|socket|Connection)",
         r"transport retry counter exceeded|RETRY_EXC_ERR",
@@ -318,6 +344,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"DistNetworkError",
         r"EADDRINUSE|address already in use",
         r"Timed out initializing process group",
+        r"Rende?z?vous version \d+ is incomplete",
     )
     + _r(
         _F.SLOW_PEER,
@@ -328,6 +355,9 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"rank \d+ is (a )?(slow|straggler)",
         r"slow (rank|peer|node)s? (detected|found)",
         r"(HW|SW) (Thermal )?Slowdown\s*:\s*Active",
+        # Horovod's stall inspector: the collective waits on ranks that are late.
+        r"waiting for remainder of ranks",
+        r"\[missing ranks: \d",
     )
     + _r(
         _F.HEALTH_CHECK_FAILED,
@@ -337,7 +367,8 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"No CUDA GPUs are available",
         r"no CUDA-capable device is detected|cudaErrorNoDevice",
         r"CUDA driver version is insufficient",
-        r"all CUDA-capable devices are busy or unavailable|cudaErrorDevicesUnavailable",
+        r"CUDA-capable device\(?s?\)? (is/are|are|is) busy or unavailable",
+        r"cudaErrorDevicesUnavailable",
         r"dcgmi diag.*fail",
         r"CUDA driver initialization failed",
         r"Found no NVIDIA driver",
@@ -348,6 +379,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"nvidia-container-cli: initialization error",
         r"could not select device driver .* with capabilities: \[\[gpu\]\]",
         r"CUDA unknown error - this may be due to an incorrectly set up environment",
+        r"NVIDIA probe routine was not called",
         r"clock skew",
         r"Read-only file system",
     )
@@ -403,6 +435,16 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"ClusterNotUpError",
         r"instance (was )?(terminated|stopped) (by|unexpectedly)",
         r"(node|actor|worker) (died|has died) unexpectedly|marked (as )?dead",
+        r"TCP (send|recv) error",
+        r"store->get\(.*\) got error",
+    )
+    # The rendezvous and the health detectors saw the node go quiet; outranks the
+    # rendezvous error type and the causes such detectors list as possible.
+    + _r(
+        _F.NODE_LOST,
+        0.92,
+        r"failed to send a keep-alive heartbeat",
+        r"missed too many heartbeats",
     )
     + _r(_F.NODE_LOST, 0.6, r"Connection reset by peer", r"Broken pipe")
 )
@@ -454,6 +496,9 @@ _USER_EXCEPTIONS = frozenset(
 #: when no rank's traceback is there; torchrun's teardown lines score lower), below
 #: the named root causes (OOM, hardware, NaN).
 _USER_EXCEPTION_CONFIDENCE = 0.84
+#: What the numbers alone say (a loss spike, a slow peer, a zeroed copy): below every
+#: named error, so a crash in the same tail is still the cause.
+_NUMERIC_CONFIDENCE = 0.7
 
 _MAX_EVIDENCE = 3
 
@@ -479,6 +524,134 @@ def _clip(line: str) -> str:
     return line if len(line) <= MAX_EVIDENCE_CHARS else line[: MAX_EVIDENCE_CHARS - 3] + "..."
 
 
+# --- what the numbers in a log say ------------------------------------------------------
+# Some failures print no error at all: a loss that jumps and stays up, one rank or GPU
+# far slower than its peers, a tensor that arrives as zeros on another GPU. These read
+# the numbers themselves; each scores below every named error, so a crash in the same
+# tail is still the cause.
+
+_NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+# "loss: 1.23", "Total loss: 0.5", "lm loss: 2.3E+00", "'loss': 0.4", "loss_-4.06",
+# "loss_rpn_cls: 0.3" (its own series). A line that is only a number is series "".
+_LOSS_VALUE = re.compile(
+    r"(?<![\w])((?:[A-Za-z]+[ _/])?loss(?:es)?(?:[_/][A-Za-z]+)*)"
+    rf"['\"]?[\s:=_'\"]*({_NUM})(?!\w|\.\d)",
+    re.IGNORECASE,
+)
+_BARE_NUMBER = re.compile(rf"^\s*({_NUM})\s*$")
+#: A spike: this many times the prior values' spread (MAD) above their median, and at
+#: least this share of the median's size. Both, so neither a flat nor a noisy run trips it.
+_SPIKE_MADS = 6.0
+_SPIKE_RELATIVE = 0.8
+#: One point counts only when it is this many times the size of the prior trend;
+#: otherwise a spike must persist (two points above the line).
+_SPIKE_SINGLE_RELATIVE = 10.0
+_MIN_PRIOR = 2
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+def _loss_spike(lines: list[str]) -> str | None:
+    """The line where a logged loss series jumps far above its own trend, or None."""
+    series: dict[str, list[tuple[float, str]]] = {}
+    for line in lines:
+        found = False
+        for m in _LOSS_VALUE.finditer(line):
+            series.setdefault(m.group(1).lower(), []).append((float(m.group(2)), line))
+            found = True
+        b = None if found else _BARE_NUMBER.match(line)
+        if b:
+            series.setdefault("", []).append((float(b.group(1)), line))
+    for points in series.values():
+        # The trend is what came before the first jump; later points are measured
+        # against it too, so a spike that stays up counts as persisting.
+        base = mad = 0.0
+        above: list[str] = []
+        extreme = None
+        for i in range(_MIN_PRIOR, len(points)):
+            if not above:
+                prior = [v for v, _ in points[:i]]
+                base = _median(prior)
+                mad = _median([abs(v - base) for v in prior])
+            value, line = points[i]
+            jump = value - base
+            if jump > max(_SPIKE_MADS * mad, _SPIKE_RELATIVE * abs(base), 1e-9):
+                above.append(line)
+                if jump > _SPIKE_SINGLE_RELATIVE * max(abs(base), mad, 1e-9):
+                    extreme = extreme or line
+        if len(above) >= 2 or extreme:
+            return extreme or above[0]
+    return None
+
+
+# "Rank 3 ... time cost 23.3", "GPU 0 ... 6698 GFlops", "(ADAPTER#0) Ending with 6698
+# GFlops": one value per entity; times are slow when high, throughputs when low.
+_ENTITY = re.compile(r"\b(rank|gpu|adapter|node|device)\s*[#:]?\s*(\d+)\b", re.IGNORECASE)
+_THROUGHPUT = re.compile(
+    rf"({_NUM})\s*(?:T|G)?(?:FLOPS|flop/s|samples/s|tokens/s|it/s|GB/s)\b", re.IGNORECASE
+)
+_DURATION = re.compile(
+    rf"\b(?:step[ _]time|iteration time|elapsed|time cost|time)\b\W*({_NUM})", re.IGNORECASE
+)
+#: The slowest entity must be this many times off the median of the others.
+_SLOW_FACTOR = 2.5
+_MIN_ENTITIES = 3
+
+
+def _slow_peer(lines: list[str]) -> str | None:
+    """The line of an entity far slower than its peers (>= 3 of them report), or None."""
+    for pattern, slow_is_high in ((_DURATION, True), (_THROUGHPUT, False)):
+        by_entity: dict[str, tuple[float, str]] = {}
+        for line in lines:
+            e, v = _ENTITY.search(line), pattern.search(line)
+            if e and v:
+                by_entity[f"{e.group(1).lower()}{e.group(2)}"] = (float(v.group(1)), line)
+        if len(by_entity) < _MIN_ENTITIES:
+            continue
+        for key, (value, line) in by_entity.items():
+            others = [v for k, (v, _) in by_entity.items() if k != key]
+            med = _median(others)
+            if med <= 0 or value <= 0:
+                continue
+            ratio = value / med if slow_is_high else med / value
+            if ratio >= _SLOW_FACTOR:
+                return line
+    return None
+
+
+_CUDA_TENSOR = re.compile(r"tensor\((\[[^()]*?\])[^()]*?device='cuda:\d+'", re.DOTALL)
+_ANY_TENSOR = re.compile(r"tensor\((\[[^()]*?\])", re.DOTALL)
+_TENSOR_NUMBERS = re.compile(_NUM)
+
+
+def _zeroed_copy(text: str) -> str | None:
+    """A GPU tensor printed as all zeros beside the same-shaped non-zero tensor (a copy
+    between GPUs that arrived empty, with no error), or None."""
+
+    def shape_and_zero(body: str) -> tuple[str, bool]:
+        nums = _TENSOR_NUMBERS.findall(body)
+        # The printed layout (brackets, elisions) stands in for the shape.
+        layout = re.sub(rf"{_NUM}", "x", re.sub(r"\s+", "", body))
+        return layout, bool(nums) and all(float(n) == 0.0 for n in nums)
+
+    zeros = [b for b in _CUDA_TENSOR.findall(text) if shape_and_zero(b)[1]]
+    if not zeros:
+        return None
+    nonzero = {shape_and_zero(b)[0] for b in _ANY_TENSOR.findall(text) if not shape_and_zero(b)[1]}
+    for body in zeros:
+        if shape_and_zero(body)[0] in nonzero:
+            return (
+                "tensor("
+                + " ".join(body.split())[:200]
+                + ") on a GPU, where the same tensor was non-zero"
+            )
+    return None
+
+
 def _scan(lines: list[str]) -> Classification | None:
     best: dict[FailureClass, tuple[float, list[str]]] = {}
 
@@ -498,8 +671,23 @@ def _scan(lines: list[str]) -> Classification | None:
         if rule is not None:
             hit(rule.failure_class, rule.confidence, line)
     last = _last_exception(lines)
-    if last is not None and last[0].rsplit(".", 1)[-1] in _USER_EXCEPTIONS:
+    if (
+        last is not None
+        and last[0].rsplit(".", 1)[-1] in _USER_EXCEPTIONS
+        # "ValueError: TCP send error. Details: Broken pipe": the message names the
+        # cause, the type only says which layer raised it.
+        and not any(
+            r.failure_class is not _F.USER_CODE_ERROR and r.pattern.search(last[2]) for r in _RULES
+        )
+    ):
         hit(_F.USER_CODE_ERROR, _USER_EXCEPTION_CONFIDENCE, last[2])
+    for cls, found in (
+        (_F.LOSS_SPIKE, _loss_spike(lines)),
+        (_F.SLOW_PEER, _slow_peer(lines)),
+        (_F.SILENT_CORRUPTION, _zeroed_copy("\n".join(lines))),
+    ):
+        if found is not None:
+            hit(cls, _NUMERIC_CONFIDENCE, found)
     if not best:
         return None
     order = list(FailureClass)
