@@ -115,6 +115,8 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"(pcieport|AER).*(error|Timeout)",
         r"PCIe Bus Error",
         r"Row ?remap(ping)? (failure|pending)",
+        r"(double|single)[- ]bit ECC",
+        r"cudaErrorHardwareStackError|hardware stack error",
     )
     + _r(
         _F.GPU_HARDWARE,
@@ -123,6 +125,8 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"unspecified launch failure|cudaErrorLaunchFailure",
         r"\bXid\b",
         r"NVRM: .*(error|failed)",
+        r"an illegal instruction was encountered",
+        r"\bERR!",
     )
     + _r(_F.GPU_HARDWARE, 0.6, r"unhandled cuda error", r"ncclUnhandledCudaError")
     # An index out of range inside a kernel: the user's bug, not the GPU's.
@@ -152,11 +156,33 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"object has no attribute",
         r"No module named",
         r"is not defined\b",
+        r"Expected object of scalar type",
+        r"Boolean value of Tensor with more than one value is ambiguous",
+        r"only one element tensors can be converted",
+        r"grad can be implicitly created only for scalar outputs",
+        r"stack expects each tensor to be equal size",
+        r"can't be cast to the desired output type",
+        r"Found dtype \w+ but expected \w+",
+        r"received an invalid combination of arguments",
+        r"Default process group has not been initialized",
+        r"Expected to have finished reduction in the prior iteration",
+        r"Expected to mark a variable ready only once",
+        r"Attempting to deserialize object on a CUDA device",
+    )
+    # Lines every run prints, failing or not: they speak for no class, and are not
+    # left to weaker rules (torchrun SIGTERMs a failed rank's peers itself).
+    + _r(
+        _F.UNKNOWN,
+        0.99,
+        r"closing signal SIGTERM",
+        r"No stragglers? detected",
+        r"number of nan iterations:\s*0\b",
     )
     + _r(
         _F.PREEMPTION_NOTICE,
         0.9,
-        r"spot ?(instance ?)?(interruption|termination|interrupted)|spot_interrupted",
+        r"spot[ _-]?(instance[ _-]?)?(interruption|termination|interrupted)",
+        r"instance-terminated-(no-capacity|capacity-oversubscribed|by-price|by-service)",
         r"Host EC2 Terminated",
         r"INTERRUPTED_BY_NO_CAPACITY",
         r"instance-action.*(terminate|stop|hibernate)",
@@ -171,6 +197,9 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"(instance|node|vm|cluster|tpu|spot)\b.*\bpreempted\b",
         r"Terminating unhealthy (spot )?cluster",
         r"=== Recovering\.\.\. ===",
+        # Google Pipelines API (Cromwell on GCP): 10 and 14 are the preempted-VM codes.
+        r"PAPI error code (10|14)\b",
+        r"\bVM \S+ stopped unexpectedly",
     )
     + _r(
         _F.HOST_OOM_KILLED,
@@ -190,7 +219,12 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"OOM when allocating tensor .*device:CPU",
         r"unable to write to file </torch_",
         r"exceed(ed|ing)? (the )?memory limit|memory limit exceeded",
-        r"Cannot allocate memory",
+        r"Cannot allocate memory|\bENOMEM\b",
+        r"Killed process \d+ \(.*\) total-vm",
+        r"oom_reaper: reaped process",
+        r"exceeded (job |step )?memory limit",
+        r"running beyond (physical|virtual) memory limits",
+        r"unable to (open|allocate) shared memory|shared memory \(shm\)",
         r"std::bad_alloc",
         r"^(?:\[rank\d+\]:\s*)?MemoryError\b",
         r"Unable to allocate [\d.]+ [KMGT]i?B for an array",
@@ -202,7 +236,9 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"Signal 9 \(SIGKILL\)",
         r"killed by signal: Killed",
         r"(?:^|[\s\]>|])\**Killed\**\s*$",
-        r"exit(ed)? (with )?(code|status) 137\b",
+        r"exit(ed)? (with )?(exit )?(code|status)[:=]?\s*137\b",
+        r"DataLoader worker \(pid\(?s?\)? [\d, ]+\) exited unexpectedly",
+        r"\bBus error\b",
     )
     + _r(
         _F.CUDA_OOM,
@@ -215,6 +251,10 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"Cuda failure (2 )?'out of memory'",
         r"(HIP|XPU|MPS|NPU) (backend )?out of memory|hipErrorOutOfMemory",
         r"cuda failed with error 2 out of memory",
+        r"Out of memory while trying to allocate",
+        r"CUDNN_STATUS_ALLOC_FAILED|CUDNN_STATUS_NOT_ENOUGH_WORKSPACE",
+        r"cuMemAlloc\w*.*(failed|out of memory)|cudaMalloc.*(failed|out of memory)",
+        r"No available memory for the cache blocks",
         r"failed to allocate .* from device|HIP_ERROR_OutOfMemory",
         r"OOM when allocating tensor .*device:GPU",
         r"RESOURCE_EXHAUSTED: Out of memory",
@@ -236,7 +276,13 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"(inf|nan) (values )?(in|or (inf|nan) (values )?in) (the )?grad",
         r"grad(ient)?[ _]norm\W{0,4}(is )?([\d.]+ \()?(nan|inf)\b",
         r"non-finite (loss|gradient)",
-        r"\bloss\w*['\"]?\s*[:=]?\s*['\"]?[-+]?(nan|inf)\b",
+        r"(?:\b|_)loss\w*['\"\]]?\s*[:=]?\s*['\"]?(tensor\()?[-+]?(nan|inf)\b",
+        r"FloatingPointError",
+        r"is non-finite|non-finite values",
+        r"number of nan iterations:\s*[1-9]",
+        r"loss scale reached (the )?minimum",
+        r"encountered (a )?nan",
+        r"\b(isnan|isfinite)\(",
         r"\b(NaN|Inf) (loss|gradient)s?\b",
         r"(loss|gradient)s? (is|are|was|were|became|becomes|become) (nan|inf|NaN)",
         r"Detected (NaN|inf)",
@@ -247,6 +293,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         # fp16 overflow: the gradients were Inf; scores low, these repeat in healthy runs.
         r"overflow detected, setting loss scale to: 0\.0",
         r"OVERFLOW! Rank \d+ Skipping step",
+        r"Gradient overflow\.\s+Skipping step",
     )
     + _r(
         _F.LOSS_SPIKE,
@@ -271,6 +318,9 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"Results (do not match|mismatch)",
         r"Difference at \d+: .*, expected",
         r"CPU value .* GPU value",
+        r"(GPU|CPU|device) (computes|gives|returns|produces) (a )?different",
+        r"(outputs?|results?) differs? (between|from|across)",
+        r"parity.{0,20}fail",
     )
     + _r(
         _F.CHECKPOINT_IO,
@@ -292,10 +342,21 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"Error while deserializing header",
         r"EOFError: Ran out of input",
         r"storage has wrong size",
+        r"enforce fail at .*inline_container\.cc",
+        r"Invalid magic number; corrupt file",
+        r"truncated file|unexpected end of (file|data)",
+        r"Stale file handle",
+        r"CheckpointingException",
+        r"(failed|error|unable) (to |while |when )?(sav|load|writ|read)(e|ing)? (the )?checkpoint",
         r"File .* cannot be opened",
         r"Unable to load weights from",
     )
-    + _r(_F.CHECKPOINT_IO, 0.7, r"Error\(s\) in loading state_dict")
+    + _r(
+        _F.CHECKPOINT_IO,
+        0.7,
+        r"Error\(s\) in loading state_dict",
+        r"\[Errno 5\] Input/output error",
+    )
     # torch's zip writer lost bytes on the way to the file (disk, RAM or a network FS).
     + _r(_F.CHECKPOINT_IO, 0.97, r"unexpected pos \d+ vs \d+")
     + _r(
@@ -309,6 +370,16 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"Heartbeat monitor timed out",
         r"failed to pass monitoredBarrier",
         r"Timeout\(ms\)=\d+",
+        r"Timeout at NCCL work",
+        r"Application timeout caused pair closure",
+        r"collective .*timed out",
+    )
+    + _r(
+        _F.NCCL_TIMEOUT,
+        0.6,
+        r"NCCL communicator was aborted",
+        r"ProcessGroup\w*\b.*\btimed out",
+        r"barrier.*timed? ?out|timed out.*barrier",
     )
     + _r(_F.NCCL_TIMEOUT, 0.8, r"ncclCommWatchdog")
     + _r(_F.NCCL_TIMEOUT, 0.5, r"Some NCCL operations have failed or timed out")
@@ -329,6 +400,12 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"NCCL error.*(network|socket|Connection)",
         r"transport retry counter exceeded|RETRY_EXC_ERR",
         r"ncclInternalError",
+        r"IBV_WC_\w+",
+        r"misc/socket\.cc|transport/net_ib|net_socket\.cc|net_ib\.cc",
+        r"NET/OFI|fi_\w+ failed|libfabric",
+        r"Connection closed by remote peer",
+        r"connectFullMesh failed",
+        r"pair\.cc:\d+\] Connect timeout",
     )
     + _r(
         _F.RENDEZVOUS_FAILURE,
@@ -345,6 +422,14 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"EADDRINUSE|address already in use",
         r"Timed out initializing process group",
         r"Rende?z?vous version \d+ is incomplete",
+        r"init_process_group.*(timed out|timeout)",
+        r"Address family not supported by protocol",
+    )
+    + _r(
+        _F.RENDEZVOUS_FAILURE,
+        0.55,
+        r"Connection refused",
+        r"getaddrinfo|failed to resolve|Name or service not known",
     )
     + _r(
         _F.SLOW_PEER,
@@ -380,6 +465,11 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"could not select device driver .* with capabilities: \[\[gpu\]\]",
         r"CUDA unknown error - this may be due to an incorrectly set up environment",
         r"NVIDIA probe routine was not called",
+        r"Unexpected error from cudaGetDeviceCount",
+        r"NVIDIA driver on your system is too old|cudaErrorInsufficientDriver",
+        r"CUDA_ERROR_NO_DEVICE|CUDA error: system not yet initialized",
+        r"No devices were found",
+        r"(kernel module|driver) (is )?not loaded",
         r"clock skew",
         r"Read-only file system",
     )
@@ -399,6 +489,10 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"0/\d+ nodes are available",
         r"out of (host )?capacity|insufficient capacity",
         r"(MaxSpotInstanceCount|VcpuLimit|InstanceLimit)Exceeded",
+        r"Quota ?Exceeded|exceeded (your |the )?quota|insufficient \w+ quota",
+        r"resource pool exhausted|stockout|UnfulfillableCapacity",
+        r"OverconstrainedAllocationRequest|OverconstrainedZonalAllocationRequest",
+        r"currently unavailable in (the )?(zone|region|availability zone)",
     )
     + _r(
         _F.EXTERNAL_TERMINATION,
@@ -409,12 +503,25 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"\*\*\* (JOB|STEP) \S+ (ON \S+ )?CANCELLED AT",
         r"DUE TO TIME LIMIT",
         r"srun: (Force Terminated|error: .*: tasks? [\d,-]+: Terminated)",
-        r"(received|caught|got) (signal )?(SIGTERM|SIGINT|SIGHUP)\b",
+        r"(received|caught|got) (signal:? )?(SIGTERM|SIGINT|SIGHUP|15)\b",
+        r"signal handler called with signal (15|2)\b",
+        r"keyboard interrupt received",
+        r"\bscancel\b",
+        r"DUE TO PREEMPTION",
+        # Azure's scheduled events other than Preempt: a planned stop, not a reclaim.
+        r'"EventType"\s*:\s*"(Terminate|Reboot|Redeploy)"',
+        r"terminated in response to imminent node shutdown|graceful node shutdown",
         r"(SIGTERM|SIGINT) received",
         r"^\W*Terminated\W*$",
-        r"^(?:\[rank\d+\]:\s*)?KeyboardInterrupt\b",
+        r"\bKeyboardInterrupt\b",
     )
-    + _r(_F.EXTERNAL_TERMINATION, 0.55, r"Signal (15|2|1) \(SIG(TERM|INT|HUP)\) received by PID")
+    + _r(
+        _F.EXTERNAL_TERMINATION,
+        0.55,
+        r"Signal (15|2|1) \(SIG(TERM|INT|HUP)\) received by PID",
+        r"exit(ed)? (with )?(exit )?(code|status)[:=]?\s*143\b",
+        r"Stopping container",
+    )
     + _r(
         _F.NODE_LOST,
         0.8,
@@ -429,7 +536,9 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"Host is down",
         r"closed by remote host",
         r"node .* (is )?(unreachable|lost|terminated)",
-        r"DUE TO NODE FAILURE",
+        r"lost connection to (the )?(worker|node|raylet|host|head)",
+        r"still waiting for response from worker",
+        r"ActorDiedError|NodeDiedError|\bNotReady\b",
         r"lame workers found",
         r"preemption in a connected worker",
         r"ClusterNotUpError",
@@ -445,7 +554,9 @@ _RULES: tuple[_Rule, ...] = tuple(
         0.92,
         r"failed to send a keep-alive heartbeat",
         r"missed too many heartbeats",
+        r"DUE TO NODE FAILURE|Node failure on",
     )
+    + _r(_F.NODE_LOST, 0.5, r"connect to host .* Connection timed out")
     + _r(_F.NODE_LOST, 0.6, r"Connection reset by peer", r"Broken pipe")
 )
 
@@ -547,6 +658,9 @@ _SPIKE_RELATIVE = 0.8
 #: otherwise a spike must persist (two points above the line).
 _SPIKE_SINGLE_RELATIVE = 10.0
 _MIN_PRIOR = 2
+#: The trend is the median of at most this many points before the jump (bounded work
+#: on long tails).
+_SPIKE_WINDOW = 20
 
 
 def _median(xs: list[float]) -> float:
@@ -574,7 +688,7 @@ def _loss_spike(lines: list[str]) -> str | None:
         extreme = None
         for i in range(_MIN_PRIOR, len(points)):
             if not above:
-                prior = [v for v, _ in points[:i]]
+                prior = [v for v, _ in points[max(0, i - _SPIKE_WINDOW) : i]]
                 base = _median(prior)
                 mad = _median([abs(v - base) for v in prior])
             value, line = points[i]
@@ -652,6 +766,28 @@ def _zeroed_copy(text: str) -> str | None:
     return None
 
 
+_FRAME = re.compile(r'^\s*File "[^"]+", line \d+, in \S+')
+# Saving or loading a checkpoint: torch's serializer, DCP, or the trainer's own call.
+_CHECKPOINT_FRAME = re.compile(
+    r"serialization\.py|torch/distributed/checkpoint/|checkpoint(?:er)?\.(?:save|load)\b"
+    r"|\b(?:save|load)_checkpoint\b|\btorch\.(?:save|load)\(",
+    re.IGNORECASE,
+)
+#: The innermost frame of a traceback in checkpoint code, with no cause named: below
+#: every named error and the user's exception.
+_FRAME_CONFIDENCE = 0.65
+
+
+def _innermost_frame(lines: list[str]) -> str | None:
+    """The last ``File "...", line N, in f`` line of the log and its source line."""
+    for i in range(len(lines) - 1, -1, -1):
+        line = _RANK_PREFIX.sub("", lines[i], count=1)
+        if _FRAME.match(line):
+            nxt = lines[i + 1] if i + 1 < len(lines) else ""
+            return f"{lines[i]}\n{nxt}".rstrip()
+    return None
+
+
 def _scan(lines: list[str]) -> Classification | None:
     best: dict[FailureClass, tuple[float, list[str]]] = {}
 
@@ -668,7 +804,7 @@ def _scan(lines: list[str]) -> Classification | None:
             key=lambda r: r.confidence,
             default=None,
         )
-        if rule is not None:
+        if rule is not None and rule.failure_class is not _F.UNKNOWN:
             hit(rule.failure_class, rule.confidence, line)
     last = _last_exception(lines)
     if (
@@ -681,6 +817,9 @@ def _scan(lines: list[str]) -> Classification | None:
         )
     ):
         hit(_F.USER_CODE_ERROR, _USER_EXCEPTION_CONFIDENCE, last[2])
+    frame = _innermost_frame(lines)
+    if frame is not None and _CHECKPOINT_FRAME.search(frame):
+        hit(_F.CHECKPOINT_IO, _FRAME_CONFIDENCE, frame)
     for cls, found in (
         (_F.LOSS_SPIKE, _loss_spike(lines)),
         (_F.SLOW_PEER, _slow_peer(lines)),
