@@ -669,6 +669,31 @@ def _median(xs: list[float]) -> float:
     return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
+def _jump(
+    points: list[tuple[float, str]], relative: float, persist: int, single: float | None
+) -> str | None:
+    """The line where a series rises above its own trend: by more than ``_SPIKE_MADS``
+    spreads and ``relative`` x the trend, on ``persist`` points measured against the
+    trend before the first rise (so a rise that stays counts), or once by ``single`` x.
+    """
+    base = mad = 0.0
+    above: list[str] = []
+    for i in range(_MIN_PRIOR, len(points)):
+        if not above:
+            prior = [v for v, _ in points[max(0, i - _SPIKE_WINDOW) : i]]
+            base = _median(prior)
+            mad = _median([abs(v - base) for v in prior])
+        value, line = points[i]
+        rise = value - base
+        if rise > max(_SPIKE_MADS * mad, relative * abs(base), 1e-9):
+            if single is not None and rise > single * max(abs(base), mad, 1e-9):
+                return line
+            above.append(line)
+            if len(above) >= persist:
+                return above[0]
+    return None
+
+
 def _loss_spike(lines: list[str]) -> str | None:
     """The line where a logged loss series jumps far above its own trend, or None."""
     series: dict[str, list[tuple[float, str]]] = {}
@@ -681,25 +706,31 @@ def _loss_spike(lines: list[str]) -> str | None:
         if b:
             series.setdefault("", []).append((float(b.group(1)), line))
     for points in series.values():
-        # The trend is what came before the first jump; later points are measured
-        # against it too, so a spike that stays up counts as persisting.
-        base = mad = 0.0
-        above: list[str] = []
-        extreme = None
-        for i in range(_MIN_PRIOR, len(points)):
-            if not above:
-                prior = [v for v, _ in points[max(0, i - _SPIKE_WINDOW) : i]]
-                base = _median(prior)
-                mad = _median([abs(v - base) for v in prior])
-            value, line = points[i]
-            jump = value - base
-            if jump > max(_SPIKE_MADS * mad, _SPIKE_RELATIVE * abs(base), 1e-9):
-                above.append(line)
-                if jump > _SPIKE_SINGLE_RELATIVE * max(abs(base), mad, 1e-9):
-                    extreme = extreme or line
-        if len(above) >= 2 or extreme:
-            return extreme or above[0]
+        found = _jump(points, _SPIKE_RELATIVE, 2, _SPIKE_SINGLE_RELATIVE)
+        if found is not None:
+            return found
     return None
+
+
+# "Iteration took 32.9 s", "step time: 1.2", "(1.003 sec/step)": a job whose step time
+# rises to a multiple of its own trend and stays there waits on a slow peer.
+_STEP_TIME = re.compile(
+    rf"(?:iteration took|step[ _]time\W*|iter(?:ation)?[ _]time\W*)\s*({_NUM})"
+    rf"|({_NUM})\s*(?:sec/step|s/it|s/step)\b",
+    re.IGNORECASE,
+)
+#: A slowdown: step time at least this multiple of the trend above it, on 3 points.
+_SLOWDOWN_RELATIVE = 1.0
+_SLOWDOWN_PERSIST = 3
+
+
+def _step_time_slowdown(lines: list[str]) -> str | None:
+    points = []
+    for line in lines:
+        m = _STEP_TIME.search(line)
+        if m:
+            points.append((float(m.group(1) or m.group(2)), line))
+    return _jump(points, _SLOWDOWN_RELATIVE, _SLOWDOWN_PERSIST, None)
 
 
 # "Rank 3 ... time cost 23.3", "GPU 0 ... 6698 GFlops", "(ADAPTER#0) Ending with 6698
@@ -717,7 +748,8 @@ _MIN_ENTITIES = 3
 
 
 def _slow_peer(lines: list[str]) -> str | None:
-    """The line of an entity far slower than its peers (>= 3 of them report), or None."""
+    """The line of an entity far slower than its peers (>= 3 of them report), or of a
+    step time that rose to a multiple of its trend and stayed, or None."""
     for pattern, slow_is_high in ((_DURATION, True), (_THROUGHPUT, False)):
         by_entity: dict[str, tuple[float, str]] = {}
         for line in lines:
@@ -734,7 +766,7 @@ def _slow_peer(lines: list[str]) -> str | None:
             ratio = value / med if slow_is_high else med / value
             if ratio >= _SLOW_FACTOR:
                 return line
-    return None
+    return _step_time_slowdown(lines)
 
 
 _CUDA_TENSOR = re.compile(r"tensor\((\[[^()]*?\])[^()]*?device='cuda:\d+'", re.DOTALL)
@@ -743,26 +775,27 @@ _TENSOR_NUMBERS = re.compile(_NUM)
 
 
 def _zeroed_copy(text: str) -> str | None:
-    """A GPU tensor printed as all zeros beside the same-shaped non-zero tensor (a copy
-    between GPUs that arrived empty, with no error), or None."""
+    """The line of a GPU tensor printed as all zeros beside the same-shaped non-zero
+    tensor (a copy between GPUs that arrived empty, with no error), or None."""
 
-    def shape_and_zero(body: str) -> tuple[str, bool]:
+    def layout_and_zero(body: str) -> tuple[str, bool]:
         nums = _TENSOR_NUMBERS.findall(body)
         # The printed layout (brackets, elisions) stands in for the shape.
-        layout = re.sub(rf"{_NUM}", "x", re.sub(r"\s+", "", body))
+        layout = re.sub(_NUM, "x", re.sub(r"\s+", "", body))
         return layout, bool(nums) and all(float(n) == 0.0 for n in nums)
 
-    zeros = [b for b in _CUDA_TENSOR.findall(text) if shape_and_zero(b)[1]]
+    zeros = [m for m in _CUDA_TENSOR.finditer(text) if layout_and_zero(m.group(1))[1]]
     if not zeros:
         return None
-    nonzero = {shape_and_zero(b)[0] for b in _ANY_TENSOR.findall(text) if not shape_and_zero(b)[1]}
-    for body in zeros:
-        if shape_and_zero(body)[0] in nonzero:
-            return (
-                "tensor("
-                + " ".join(body.split())[:200]
-                + ") on a GPU, where the same tensor was non-zero"
-            )
+    nonzero = {
+        layout for layout, zero in map(layout_and_zero, _ANY_TENSOR.findall(text)) if not zero
+    }
+    for m in zeros:
+        if layout_and_zero(m.group(1))[0] in nonzero:
+            # The whole line where the zero tensor's device is printed.
+            start = text.rfind("\n", 0, m.end()) + 1
+            end = text.find("\n", m.end())
+            return text[start : end if end >= 0 else len(text)]
     return None
 
 

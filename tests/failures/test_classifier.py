@@ -352,6 +352,30 @@ CASES: list[tuple[str, str, int | None, int | str | None, FailureClass]] = [
         F.NAN_DIVERGENCE,
     ),
     ("contract-exit-76", "", int(ExitCode.NAN_DETECTED), None, F.NAN_DIVERGENCE),
+    # --- loss_spike ---
+    # https://github.com/NVIDIA/waveglow/issues/32 (one step 1000x the trend)
+    (
+        "waveglow-single-step-spike",
+        "step_78560:\tloss_-4.490265846\nstep_78580:\tloss_-4.454271317\n"
+        "step_78600:\tloss_-4.322495461\nstep_78620:\tloss_4191.683593750\n"
+        "step_78640:\tloss_-2.408614397",
+        None,
+        None,
+        F.LOSS_SPIKE,
+    ),
+    # https://github.com/keras-team/keras/issues/7375 (jumps and stays up, never NaN)
+    (
+        "keras-loss-jumps-and-stays",
+        "iteration 68 200285/200285 [=====] - 393s - loss: 1.3696\n"
+        "iteration 69 200285/200285 [=====] - 460s - loss: 1.3275\n"
+        "iteration 70 200285/200285 [=====] - 443s - loss: 1.6963\n"
+        "iteration 71 200285/200285 [=====] - 449s - loss: 4.9700\n"
+        "iteration 72 200285/200285 [=====] - 473s - loss: 7.8267\n"
+        "iteration 73 200285/200285 [=====] - 441s - loss: 9.1923",
+        None,
+        None,
+        F.LOSS_SPIKE,
+    ),
     # --- silent_corruption ---
     ("contract-exit-79", "", int(ExitCode.SILENT_CORRUPTION), None, F.SILENT_CORRUPTION),
     (
@@ -681,8 +705,7 @@ def test_labelled_excerpt_is_classified_as_labelled(
 
 def test_every_class_has_at_least_one_labelled_case() -> None:
     labelled = {c[-1] for c in CASES}
-    # loss_spike is new; its real excerpts live in the corpus (tests/failures/corpus).
-    assert labelled == set(FailureClass) - {F.LOSS_SPIKE}
+    assert labelled == set(FailureClass)
 
 
 def test_taxonomy_has_exactly_the_issue_values() -> None:
@@ -861,3 +884,130 @@ def test_signature_is_the_users_exception_not_torchruns_wrapper() -> None:
 def test_signature_is_bounded() -> None:
     sig = exception_signature("ValueError: " + "abc " * 1000)
     assert sig is not None and len(sig) <= 300
+
+
+# --- class boundaries (issue #13) ---
+
+
+def test_an_unrecognised_traceback_is_unknown_never_a_user_error() -> None:
+    log = (
+        "Traceback (most recent call last):\n"
+        '  File "/opt/lib/site-packages/somelib/engine.py", line 41, in run\n'
+        "somelib.errors.EngineStateError: engine entered state 7\n"
+    )
+    got = classify_failure(1, None, log)
+    assert got.failure_class is F.UNKNOWN
+    assert got.retryable
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        "KeyError: 'labels'",
+        "TypeError: forward() missing 1 required positional argument: 'x'",
+        "ValueError: too many values to unpack (expected 2)",
+        "IndexError: list index out of range",
+        "NameError: name 'modle' is not defined",
+        "FileNotFoundError: [Errno 2] No such file or directory: 'data/train.json'",
+        "ModuleNotFoundError: No module named 'wandb'",
+        "AssertionError: batch size must divide the world size",
+    ],
+)
+def test_ordinary_python_errors_from_the_users_frames_are_user_errors(exc: str) -> None:
+    log = (
+        "[rank1]: Traceback (most recent call last):\n"
+        '[rank1]:   File "/job/train.py", line 77, in <module>\n'
+        f"[rank1]: {exc}\n"
+        "E1201 10:00:00 torch/distributed/elastic/multiprocessing/api.py:869] failed "
+        "(exitcode: 1) local_rank: 1 (pid: 4242) of binary: /usr/bin/python\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:"
+    )
+    got = classify_failure(1, None, log)
+    assert got.failure_class is F.USER_CODE_ERROR, got
+    assert not got.retryable
+
+
+def test_a_user_error_outranks_torchrun_sigterming_its_peers() -> None:
+    log = (
+        "Traceback (most recent call last):\n"
+        "KeyError: 'input_ids'\n"
+        "W1201 torch/distributed/elastic/multiprocessing/api.py:897] Sending process 11 "
+        "closing signal SIGTERM\n"
+        "  traceback : Signal 15 (SIGTERM) received by PID 11"
+    )
+    assert classify_failure(1, None, log).failure_class is F.USER_CODE_ERROR
+
+
+def test_an_exception_whose_message_names_a_cause_takes_that_cause() -> None:
+    log = "ValueError: (InvalidArgument) TCP send error. Details: Broken pipe."
+    assert classify_failure(1, None, log).failure_class is F.NODE_LOST
+
+
+def test_a_cuda_oom_outranks_the_watchdog_timeouts_it_causes_on_the_peers() -> None:
+    log = (
+        "[rank2]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+        "[rank0]:[E1201 ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog caught collective "
+        "operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE) ran for 600000 "
+        "milliseconds before timing out."
+    )
+    assert classify_failure(1, None, log).failure_class is F.CUDA_OOM
+
+
+def test_runtime_error_cuda_out_of_memory_is_cuda_oom() -> None:
+    got = classify_failure(1, None, "RuntimeError: CUDA error: out of memory")
+    assert got.failure_class is F.CUDA_OOM
+
+
+def test_a_flat_noisy_loss_is_not_a_spike() -> None:
+    losses = [2.31, 2.28, 2.35, 2.22, 2.40, 2.19, 2.33, 2.26, 2.38, 2.21]
+    log = "\n".join(f"step {i} loss: {v}" for i, v in enumerate(losses))
+    assert classify_failure(None, None, log).failure_class is F.UNKNOWN
+
+
+def test_a_falling_loss_is_not_a_spike() -> None:
+    log = "\n".join(f"step {i} loss: {10 / (i + 1):.3f}" for i in range(12))
+    assert classify_failure(None, None, log).failure_class is F.UNKNOWN
+
+
+def test_a_single_moderate_bump_does_not_persist_and_is_not_a_spike() -> None:
+    losses = [2.0, 2.0, 2.1, 2.0, 4.0, 2.0, 2.1, 2.0]
+    log = "\n".join(f"step {i} loss: {v}" for i, v in enumerate(losses))
+    assert classify_failure(None, None, log).failure_class is F.UNKNOWN
+
+
+def test_a_nan_loss_is_nan_divergence_not_a_spike() -> None:
+    log = "\n".join(f"step {i} loss: {v}" for i, v in enumerate([2.0, 2.1, 9.0, 12.0, "nan"]))
+    assert classify_failure(None, None, log).failure_class is F.NAN_DIVERGENCE
+
+
+def test_one_rank_far_slower_than_its_peers_is_a_slow_peer() -> None:
+    log = "\n".join(f"rank {r} step time {t} s" for r, t in enumerate([1.02, 0.98, 3.9, 1.01]))
+    got = classify_failure(None, None, log)
+    assert got.failure_class is F.SLOW_PEER
+    assert got.evidence == ("rank 2 step time 3.9 s",)
+
+
+def test_ranks_within_noise_of_each_other_are_not_slow_peers() -> None:
+    log = "\n".join(f"rank {r} step time {t} s" for r, t in enumerate([1.02, 0.98, 1.3, 1.01]))
+    assert classify_failure(None, None, log).failure_class is F.UNKNOWN
+
+
+def test_a_gpu_copy_that_arrives_as_zeros_is_silent_corruption() -> None:
+    log = "tensor([1., 2.], device='cuda:0')\ntensor([0., 0.], device='cuda:1')"
+    got = classify_failure(None, None, log)
+    assert got.failure_class is F.SILENT_CORRUPTION
+    assert got.evidence == ("tensor([0., 0.], device='cuda:1')",)
+
+
+@pytest.mark.parametrize(
+    "log",
+    [
+        "slurmstepd: error: *** JOB 4242 ON gpu-07 CANCELLED AT 2026-12-01T09:00:00 "
+        "DUE TO TIME LIMIT ***",
+        "torch.distributed.elastic.multiprocessing.api.SignalException: Process 17 got signal: 15",
+        "Received SIGTERM. Terminating subprocesses.",
+    ],
+    ids=["slurm-time-limit", "signal-exception", "received-sigterm"],
+)
+def test_a_stop_from_outside_is_external_termination_not_node_lost(log: str) -> None:
+    assert classify_failure(None, None, log).failure_class is F.EXTERNAL_TERMINATION
