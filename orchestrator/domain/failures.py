@@ -187,6 +187,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"INTERRUPTED_BY_NO_CAPACITY",
         r"instance-action.*(terminate|stop|hibernate)",
         r'"EventType"\s*:\s*"Preempt"',
+        r"\bPreempt (Scheduled|event)",
         r"compute\.instances\.preempted",
         r"\b(was|were|been|got|is|being) pre-?empted\b",
         r"\bpre-?emption (notice|warning|signal|event|detected)",
@@ -201,6 +202,8 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"PAPI error code (10|14)\b",
         r"\bVM \S+ stopped unexpectedly",
     )
+    # GCE stops a preempted VM with an ACPI power-button press.
+    + _r(_F.PREEMPTION_NOTICE, 0.7, r"Power key pressed")
     + _r(
         _F.HOST_OOM_KILLED,
         0.96,
