@@ -134,7 +134,9 @@ _RULES: tuple[_Rule, ...] = tuple(
         _F.USER_CODE_ERROR,
         0.86,
         r"device-side assert(ion)? triggered",
-        r"Assertion `.*` failed",
+        # CUDA kernels' asserts (an index out of range); a library's own C/C++ assert
+        # names no cause of the user's and stays unknown.
+        r"(\.cu:\d+|block: \[).*Assertion `.*` failed",
         r"index out of (range|bounds)|out of bounds for (dimension|axis)",
         r"mat1 and mat2 shapes cannot be multiplied",
         r"Expected all tensors to be on the same device",
@@ -285,7 +287,6 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"number of nan iterations:\s*[1-9]",
         r"loss scale reached (the )?minimum",
         r"encountered (a )?nan",
-        r"\b(isnan|isfinite)\(",
         r"\b(NaN|Inf) (loss|gradient)s?\b",
         r"(loss|gradient)s? (is|are|was|were|became|becomes|become) (nan|inf|NaN)",
         r"Detected (NaN|inf)",
@@ -296,6 +297,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         # fp16 overflow: the gradients were Inf; scores low, these repeat in healthy runs.
         r"overflow detected, setting loss scale to: 0\.0",
         r"OVERFLOW! Rank \d+ Skipping step",
+        r"\b(isnan|isfinite)\(",
         r"Gradient overflow\.\s+Skipping step",
     )
     + _r(
@@ -372,7 +374,6 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"NCCL timeout",
         r"Heartbeat monitor timed out",
         r"failed to pass monitoredBarrier",
-        r"Timeout\(ms\)=\d+",
         r"Timeout at NCCL work",
         r"Application timeout caused pair closure",
         r"collective .*timed out",
@@ -382,6 +383,8 @@ _RULES: tuple[_Rule, ...] = tuple(
         0.6,
         r"NCCL communicator was aborted",
         r"ProcessGroup\w*\b.*\btimed out",
+        # The work descriptor in any NCCL error line, a timeout or not.
+        r"Timeout\(ms\)=\d+",
         r"barrier.*timed? ?out|timed out.*barrier",
     )
     + _r(_F.NCCL_TIMEOUT, 0.8, r"ncclCommWatchdog")
@@ -432,7 +435,8 @@ _RULES: tuple[_Rule, ...] = tuple(
         _F.RENDEZVOUS_FAILURE,
         0.55,
         r"Connection refused",
-        r"getaddrinfo|failed to resolve|Name or service not known",
+        r"c10d.*(getaddrinfo|failed to resolve|Name or service not known)",
+        r"hostname of the client socket cannot be retrieved",
     )
     + _r(
         _F.SLOW_PEER,
@@ -606,10 +610,12 @@ _USER_EXCEPTIONS = frozenset(
         "InterpolationResolutionError", "ConfigCompositionException", "ArgumentError",
     }
 )  # fmt: skip
-#: Above the collateral symptoms (watchdog timeouts score 0.9 but follow a crash only
-#: when no rank's traceback is there; torchrun's teardown lines score lower), below
-#: the named root causes (OOM, hardware, NaN).
-_USER_EXCEPTION_CONFIDENCE = 0.84
+#: Above the collateral symptoms (the peers' watchdog timeouts, torchrun's teardown,
+#: a rendezvous or store error after a rank died), below the named root causes (OOM,
+#: hardware, NaN) that the user's code may have raised through an ordinary type.
+_USER_EXCEPTION_CONFIDENCE = 0.91
+#: A rule at least this sure that matches the exception line itself names the cause.
+_NAMES_A_CAUSE = 0.75
 #: What the numbers alone say (a loss spike, a slow peer, a zeroed copy): below every
 #: named error, so a crash in the same tail is still the cause.
 _NUMERIC_CONFIDENCE = 0.7
@@ -849,7 +855,10 @@ def _scan(lines: list[str]) -> Classification | None:
         # "ValueError: TCP send error. Details: Broken pipe": the message names the
         # cause, the type only says which layer raised it.
         and not any(
-            r.failure_class is not _F.USER_CODE_ERROR and r.pattern.search(last[2]) for r in _RULES
+            r.failure_class not in (_F.USER_CODE_ERROR, _F.UNKNOWN)
+            and r.confidence >= _NAMES_A_CAUSE
+            and r.pattern.search(last[2])
+            for r in _RULES
         )
     ):
         hit(_F.USER_CODE_ERROR, _USER_EXCEPTION_CONFIDENCE, last[2])

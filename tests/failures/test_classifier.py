@@ -1011,3 +1011,22 @@ def test_a_gpu_copy_that_arrives_as_zeros_is_silent_corruption() -> None:
 )
 def test_a_stop_from_outside_is_external_termination_not_node_lost(log: str) -> None:
     assert classify_failure(None, None, log).failure_class is F.EXTERNAL_TERMINATION
+
+
+def test_a_user_error_on_one_rank_outranks_the_watchdog_timeouts_on_its_peers() -> None:
+    log = (
+        "[rank3]: Traceback (most recent call last):\n"
+        "[rank3]: KeyError: 'attention_mask'\n"
+        "[rank0]:[E1201 ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog caught collective "
+        "operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE, Timeout(ms)=600000) ran "
+        "for 600000 milliseconds before timing out."
+    )
+    assert classify_failure(1, None, log).failure_class is F.USER_CODE_ERROR
+
+
+def test_a_librarys_own_c_assert_is_unknown_not_a_user_error() -> None:
+    log = (
+        "python: ../nptl/pthread_mutex_lock.c:81: __pthread_mutex_lock: Assertion "
+        "`mutex->__data.__owner == 0' failed.\nAborted (core dumped)"
+    )
+    assert classify_failure(134, None, log).failure_class is F.UNKNOWN
