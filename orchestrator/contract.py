@@ -45,6 +45,10 @@ class Env:
     #: train when what they loaded differs.
     EXPECTED_STEP = "SKYRESUME_RUN_EXPECTED_STEP"
     CHECKPOINT_EVERY = "SKYRESUME_RUN_CHECKPOINT_EVERY"
+    #: ``FIRST-LAST``: after a rollback past an anomaly (``on_anomaly: rollback_skip``),
+    #: the batches of these steps are skipped, so the data that caused it is not
+    #: replayed; the step counter still advances over them.
+    SKIP_STEPS = "SKYRESUME_RUN_SKIP_STEPS"
     #: Complete checkpoints kept (locally and in the store); at least 2.
     CHECKPOINT_KEEP = "SKYRESUME_RUN_CHECKPOINT_KEEP"
     #: ``host:port`` of the agent's UDP progress listener on loopback.

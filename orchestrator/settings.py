@@ -13,6 +13,7 @@ Nothing here is evaluated at import time: building the engine or the app reads a
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from pydantic import Field, field_validator
@@ -54,6 +55,22 @@ class Settings(BaseSettings):
     local_replacement_gpu_memory_gib: float | None = Field(default=None, gt=0)
     """GPU memory replacement nodes declare: less than the first launch's makes the
     memory planner replan activation checkpointing / micro-batch on this machine."""
+    local_regions: str = "local"
+    """Comma-separated regions of the local launcher; ``skyresume chaos stockout R``
+    makes one refuse launches, as a cloud region out of capacity does."""
+    local_hosts_per_region: int = Field(default=8, ge=1, le=1024)
+    """Hosts each local region has; a host blamed for a hardware fault is never reused."""
+
+    @field_validator("local_regions")
+    @classmethod
+    def _regions(cls, v: str) -> str:
+        names = [r.strip() for r in v.split(",")]
+        if not names or any(not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", r) for r in names):
+            raise ValueError(
+                f"local_regions must be comma-separated names of lower-case letters, "
+                f"digits and '-', got {v!r}"
+            )
+        return ",".join(names)
 
     @field_validator("launcher")
     @classmethod

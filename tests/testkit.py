@@ -9,8 +9,15 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.domain.plan import Placement
-from orchestrator.launchers.base import ClusterState, ClusterStatus, LaunchHandle, LaunchRequest
+from orchestrator.domain.planner import Candidate
+from orchestrator.domain.reconcile import LauncherAbilities
+from orchestrator.launchers.base import (
+    CapacityError,
+    ClusterState,
+    ClusterStatus,
+    LaunchHandle,
+    LaunchRequest,
+)
 
 
 def reset_postgres(url: str) -> None:
@@ -86,19 +93,29 @@ def torchrun(*args: str, nproc: int = 2, pythonpath: str = "") -> subprocess.Pop
 @dataclass
 class FakeLauncher:
     """A two-node launcher for reconciler tests: records launches and teardowns;
-    nodes named in ``dead`` are gone. A replacement avoids an excluded region r1."""
+    nodes named in ``dead`` are gone. It offers regions r1 (cheaper) and r2; regions
+    in ``stocked_out`` refuse launches for capacity."""
 
     root: Path
     name: str = "fake"
     launched: list[LaunchRequest] = field(default_factory=list)
     downed: list[str] = field(default_factory=list)
     dead: set[str] = field(default_factory=set)
-    excluded: list[list[str]] = field(default_factory=list)
 
-    def placement_for(self, spec, *, exclude_regions=(), replacement=False):  # type: ignore[no-untyped-def]
-        self.excluded.append(list(exclude_regions))
-        region = "r2" if "r1" in exclude_regions else "r1"
-        return Placement("fake", region, "cpu", None, 0, spec.num_nodes, spec.spot)
+    abilities = LauncherAbilities(stages_node_disk=True, restarts_in_place=True)
+    stocked_out: set[str] = field(default_factory=set)
+    restarted: list[LaunchRequest] = field(default_factory=list)
+
+    def candidates(self, spec, *, replacement=False):  # type: ignore[no-untyped-def]
+        return [
+            Candidate("fake", r, "cpu", None, 0, None, 1.0 + k, 0.5 + k)
+            for k, r in enumerate(("r1", "r2"))
+        ]
+
+    def restart(self, previous: LaunchHandle, request: LaunchRequest) -> LaunchHandle:
+        self.restarted.append(request)
+        ids = tuple(f"{request.job_id}-a{request.attempt}-n{k}" for k in range(2))
+        return LaunchHandle(previous.cluster_name, self.name, ids, previous.hosts)
 
     def node_disk(self, job_id: str, attempt: int, index: int) -> Path:
         d = self.root / f"{job_id}-a{attempt}-n{index}"
@@ -106,9 +123,12 @@ class FakeLauncher:
         return d
 
     def launch(self, request: LaunchRequest) -> LaunchHandle:
+        if request.placement.region in self.stocked_out:
+            raise CapacityError(f"InsufficientInstanceCapacity in {request.placement.region}")
         self.launched.append(request)
         ids = tuple(f"{request.job_id}-a{request.attempt}-n{k}" for k in range(2))
-        return LaunchHandle(f"{request.job_id}-a{request.attempt}", self.name, ids)
+        hosts = tuple(f"h{request.attempt}-{k}" for k in range(2))
+        return LaunchHandle(f"{request.job_id}-a{request.attempt}", self.name, ids, hosts)
 
     def status(self, handle: LaunchHandle) -> ClusterStatus:
         up = tuple(n for n in handle.node_ids if n not in self.dead)

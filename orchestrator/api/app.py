@@ -57,6 +57,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.state.engine = engine or make_engine(settings.effective_database_url)
     app.state.sessionmaker = make_sessionmaker(app.state.engine)
     app.state.token = ensure_local_token(settings)
+    app.state.launcher = None  # set by attach_reconciler (serve); chaos needs one
 
     registry = CollectorRegistry()
     requests = Counter(

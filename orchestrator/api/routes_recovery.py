@@ -13,9 +13,9 @@ from sqlalchemy import select
 from orchestrator.api.deps import OperatorDep, SessionDep
 from orchestrator.contract import AttemptState, CommandType, FaultKind
 from orchestrator.domain.status import JobStatus
-from orchestrator.launchers.base import LaunchError
-from orchestrator.reconciler.loop import incidents
+from orchestrator.launchers.base import ChaosLauncher, LaunchError
 from orchestrator.store import repo
+from orchestrator.store.incidents import incidents
 from orchestrator.store.models import Attempt, Node, NodeCommand
 
 router = APIRouter(prefix="/v1", dependencies=[OperatorDep])
@@ -122,10 +122,11 @@ def chaos(job_id: str, body: ChaosIn, request: Request, session: SessionDep) -> 
     """Inject a failure into a running job on the local launcher (``nan`` goes through
     the agents, so it works on any launcher)."""
     job = _job(session, job_id)
-    launcher = getattr(request.app.state, "launcher", None)
+    launcher: ChaosLauncher | None = request.app.state.launcher
     fault = _FAULTS.get(body.action)
-    if fault is None and (launcher is None or getattr(launcher, "name", "") != "local"):
+    if fault is None and (launcher is None or not launcher.abilities.chaos):
         raise HTTPException(409, "chaos needs the local launcher (skyresume serve, launcher=local)")
+    assert fault is not None or launcher is not None
     if JobStatus(job.status).is_terminal():
         raise HTTPException(409, f"job {job_id} is {job.status}")
     a = session.scalars(
@@ -172,6 +173,27 @@ def chaos(job_id: str, body: ChaosIn, request: Request, session: SessionDep) -> 
         return {"action": body.action, "node_id": node_id, "pid": pid, "at": at}
     except (LaunchError, ValueError) as e:
         raise HTTPException(409, str(e)) from None
+
+
+class StockoutIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    region: str = Field(min_length=1, max_length=64)
+    seconds: float = Field(default=600.0, ge=0, le=86400)
+    """How long the region refuses launches (0 lifts the stockout)."""
+
+
+@router.post("/chaos/stockout")
+def chaos_stockout(body: StockoutIn, request: Request) -> dict[str, Any]:
+    """Make a local region refuse launches for lack of capacity, as a cloud does."""
+    launcher: ChaosLauncher | None = request.app.state.launcher
+    if launcher is None or not launcher.abilities.chaos:
+        raise HTTPException(409, "chaos needs the local launcher (skyresume serve, launcher=local)")
+    try:
+        launcher.stockout(body.region, seconds=body.seconds)
+    except LaunchError as e:
+        raise HTTPException(422, str(e)) from None
+    return {"action": "stockout", "region": body.region, "seconds": body.seconds}
 
 
 def _rank_pid(session: SessionDep, job_id: str, node_id: str, rank: int | None) -> int:

@@ -326,3 +326,25 @@ def plan_memory(
         f"{headroom:.0%} headroom; {hint}",
         _with_fit(smallest, False, _explain(profile, smallest)),
     )
+
+
+def next_smaller_setting(
+    profile: ModelProfile, current: TrainingKnobs, data_parallel: int
+) -> TrainingKnobs | None:
+    """After an out-of-memory at ``current``: the cheapest setting, in the planner's
+    order (least recompute first, then smaller micro-batches), whose activations are
+    smaller than ``current``'s, with the global batch unchanged. None when ``current``
+    is already the smallest. The estimate was wrong once (the GPU said so), so the
+    answer is relative to it, never "what fits by the estimate"."""
+    per_rank = _per_rank_batch(profile, data_parallel)
+    now = activation_bytes(profile, current.micro_batch, current.activation_checkpoint_every)
+    for micro in _micro_batches(profile, per_rank):
+        if micro > current.micro_batch:
+            continue
+        for every in _checkpoint_levels(profile.layers):
+            knobs = TrainingKnobs(micro, per_rank // micro, every)
+            if knobs == current:
+                continue
+            if activation_bytes(profile, micro, every) < now:
+                return knobs
+    return None

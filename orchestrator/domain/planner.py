@@ -222,14 +222,31 @@ def cooled_down_regions(
     history: Iterable[FailureRecord], now: datetime, policy: PlannerPolicy
 ) -> dict[tuple[str, str], datetime]:
     """(cloud, region) -> until when it is blocked, for regions that took nodes away
-    within the cool-down (any instance type: a region short of capacity is short)."""
+    (a preemption, a lost node) within the cool-down, whatever the instance type."""
     blocked: dict[tuple[str, str], datetime] = {}
     for f in history:
-        if f.failure_class not in PLACEMENT_FAILURES:
+        if f.failure_class not in PLACEMENT_FAILURES or f.failure_class == "capacity_unavailable":
             continue
         until = f.at + policy.cooldown
         if until > now:
             key = (f.cloud.lower(), f.region)
+            blocked[key] = max(until, blocked.get(key, until))
+    return blocked
+
+
+def stocked_out(
+    history: Iterable[FailureRecord], now: datetime, policy: PlannerPolicy
+) -> dict[tuple[str, str, str], datetime]:
+    """(cloud, region, instance type) -> until when it is blocked, after the cloud
+    refused a launch for lack of capacity or quota: only that type cools down there,
+    since another type in the same region may well have capacity."""
+    blocked: dict[tuple[str, str, str], datetime] = {}
+    for f in history:
+        if f.failure_class != "capacity_unavailable":
+            continue
+        until = f.at + policy.cooldown
+        if until > now:
+            key = (f.cloud.lower(), f.region, f.instance_type)
             blocked[key] = max(until, blocked.get(key, until))
     return blocked
 
@@ -264,6 +281,7 @@ def rank(
     policy = policy or PlannerPolicy()
     history = list(history)
     blocked = cooled_down_regions(history, now, policy)
+    no_capacity = stocked_out(history, now, policy)
     allowed_clouds = {c.lower() for c in spec.clouds}
     ranked: list[Ranked] = []
     rejected: list[Rejection] = []
@@ -296,6 +314,15 @@ def rank(
                 c,
                 Constraint.COOLDOWN,
                 f"{c.cloud}/{c.region} took nodes away recently; blocked until "
+                f"{until.isoformat(timespec='minutes')}",
+            )
+            continue
+        until = no_capacity.get((c.cloud.lower(), c.region, c.instance_type))
+        if until is not None:
+            reject(
+                c,
+                Constraint.COOLDOWN,
+                f"{c.cloud}/{c.region} had no capacity for {c.instance_type}; blocked until "
                 f"{until.isoformat(timespec='minutes')}",
             )
             continue

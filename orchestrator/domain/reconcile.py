@@ -22,28 +22,72 @@ Example sequences (the job's statuses, then the incident's steps)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Literal
+from typing import Any
 
-from orchestrator.contract import ExitCode
+from orchestrator.contract import CommandType, EventKind, ExitCode
+from orchestrator.domain import remedy as rm
 from orchestrator.domain.advisor import interval_changed_meaningfully
 from orchestrator.domain.failures import FailureClass
-from orchestrator.domain.protocol import ProtocolStep, StepOutcome, next_step
+from orchestrator.domain.memory import BatchNotDivisible, DoesNotFit, plan_memory
+from orchestrator.domain.plan import Placement
+from orchestrator.domain.planner import Candidate, FailureRecord
+from orchestrator.domain.policy import RecoveryAction
+from orchestrator.domain.protocol import ORDER, ProtocolStep, StepOutcome
+from orchestrator.domain.spec import JobSpec
 from orchestrator.domain.status import JobStatus
 
 _F = FailureClass
+_P = ProtocolStep
+_A = RecoveryAction
 
-#: Event kinds that are failures of the attempt they name.
-FAILURE_KINDS = frozenset({"preemption_notice", "rank_exit", "node_lost", "rank_hang", "stuck"})
+#: Event kinds that can be failures of the attempt they name.
+FAILURE_KINDS = frozenset(
+    {
+        EventKind.PREEMPTION_NOTICE,
+        EventKind.RANK_EXIT,
+        EventKind.NODE_LOST,
+        EventKind.RANK_HANG,
+        EventKind.STUCK,
+        EventKind.ANOMALY,
+        EventKind.HEALTH_CHECK,
+    }
+)
 #: Rank exits that are not failures: a clean finish, and a save after a stop request.
 CLEAN_EXITS = frozenset({int(ExitCode.OK), int(ExitCode.PREEMPTED_SAVED)})
 #: Rank exits that mean "do not train on this checkpoint": the job stops, never retries.
 REFUSALS = frozenset({int(ExitCode.RESUME_MISMATCH), int(ExitCode.CHECKPOINT_INVALID)})
 #: Classes after which the ranks can still save together (every node is alive).
-SAVE_CLASSES = frozenset({_F.PREEMPTION_NOTICE})
-#: Which cause names an incident when several failures arrive together.
-_PRIORITY = [_F.PREEMPTION_NOTICE, _F.NODE_LOST, _F.NAN_DIVERGENCE, _F.SILENT_CORRUPTION]
+SAVE_CLASSES = frozenset({_F.PREEMPTION_NOTICE, _F.SLOW_PEER})
+#: Classes whose ranks are stuck: their stacks are taken before they are stopped.
+STACK_CLASSES = frozenset({_F.NCCL_TIMEOUT, _F.RENDEZVOUS_FAILURE})
+
+#: Which failure names an incident when several arrive together, strongest first.
+#: Root causes a rank reports outrank what they do to the others: when a node
+#: vanishes, its peers' collectives break (transport errors, timeouts) and torchrun
+#: SIGTERMs the rest of each group; those are consequences, never the cause.
+CAUSE_ORDER: tuple[frozenset[FailureClass], ...] = (
+    frozenset({_F.PREEMPTION_NOTICE}),
+    frozenset(
+        {
+            _F.GPU_HARDWARE,
+            _F.CUDA_OOM,
+            _F.HOST_OOM_KILLED,
+            _F.NAN_DIVERGENCE,
+            _F.LOSS_SPIKE,
+            _F.SILENT_CORRUPTION,
+            _F.USER_CODE_ERROR,
+            _F.CHECKPOINT_IO,
+            _F.HEALTH_CHECK_FAILED,
+            _F.SLOW_PEER,
+        }
+    ),
+    frozenset({_F.NODE_LOST}),
+    frozenset({_F.NCCL_TRANSPORT, _F.NCCL_TIMEOUT, _F.RENDEZVOUS_FAILURE, _F.CAPACITY_UNAVAILABLE}),
+    frozenset({_F.EXTERNAL_TERMINATION}),
+    frozenset({_F.UNKNOWN}),
+)
 
 
 @dataclass(frozen=True)
@@ -54,6 +98,24 @@ class ReconcileConfig:
     """Ranks that have not all reported what they resumed from by then failed to start."""
     signal_slack_s: float = 15.0
     """Beyond the grace period, how long SIGNAL waits for agents to report their exit."""
+    slow_reports_to_act: int = 3
+    """Straggler reports naming the same node before it is replaced: one slow window
+    is noise (a checkpoint upload, a page cache flush); three is a slow node."""
+    backoff_base_s: float = 5.0
+    """First wait before a relaunch in place or a launch retry; doubles per try."""
+    backoff_cap_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class LauncherAbilities:
+    """What a launcher can do beyond launch/status/down, declared by the launcher."""
+
+    stages_node_disk: bool = False
+    """The reconciler can stage a checkpoint onto each new node's disk before launch."""
+    restarts_in_place: bool = False
+    """It can start a new attempt on the nodes of the last one (no re-provisioning)."""
+    chaos: bool = False
+    """It can preempt, kill and slow its nodes on request (``skyresume chaos``)."""
 
 
 @dataclass(frozen=True)
@@ -80,13 +142,28 @@ class NodeView:
     """The agent reported ``node_exit``."""
     exit_code: int | None = None
     ranks: tuple[RankView, ...] = ()
+    host: str | None = None
+    """The machine the node runs on (what a hardware fault is blamed on)."""
+
+
+@dataclass(frozen=True)
+class LaunchFailure:
+    """One launch of the attempt that the provider refused or that failed."""
+
+    at: datetime
+    cloud: str
+    region: str
+    instance_type: str
+    capacity: bool
+    """A capacity or quota refusal: another region or type may well work."""
+    message: str = ""
 
 
 @dataclass(frozen=True)
 class AttemptView:
     number: int
     state: str
-    """launching | running | stopping | ended"""
+    """An ``AttemptState``: launching | running | stopping | ended"""
     started_at: datetime
     num_nodes: int
     ranks_per_node: int
@@ -96,6 +173,11 @@ class AttemptView:
     nodes: tuple[NodeView, ...] = ()
     vanished: tuple[str, ...] = ()
     """Nodes the launcher started that are gone without ever registering."""
+    placement: Placement | None = None
+    """What it was recorded with and launched on (knobs included)."""
+    launch_failures: tuple[LaunchFailure, ...] = ()
+    hosts: dict[str, str] = field(default_factory=dict)
+    """node id -> host, from the launcher's handle."""
 
     @property
     def world_size(self) -> int:
@@ -104,6 +186,12 @@ class AttemptView:
     def last_step(self) -> int | None:
         steps = [r.step for n in self.nodes for r in n.ranks if r.step is not None]
         return max(steps) if steps else self.expected_step
+
+    def host_of(self, node_id: str | None) -> str | None:
+        if node_id is None:
+            return None
+        node = next((n for n in self.nodes if n.node_id == node_id), None)
+        return self.hosts.get(node_id) or (node.host if node is not None else None)
 
 
 @dataclass(frozen=True)
@@ -116,6 +204,10 @@ class Failure:
     rank: int | None = None
     exit_code: int | None = None
     message: str = ""
+    signature: str | None = None
+    """A user error's exception signature (type and normalised message)."""
+    step: int | None = None
+    """For an anomaly: the step it began at."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +216,8 @@ class StepView:
     finished_at: datetime | None = None
     outcome: StepOutcome | None = None
     detail: str = ""
+    result: dict[str, Any] = field(default_factory=dict)
+    """What the step decided, for the steps after it (confirmed checkpoint, placement)."""
 
 
 @dataclass(frozen=True)
@@ -133,9 +227,30 @@ class IncidentView:
     """The attempt the incident ended."""
     failure_class: FailureClass
     steps: dict[ProtocolStep, StepView] = field(default_factory=dict)
+    node_id: str | None = None
+    """The node the cause was on (None: the attempt as a whole)."""
+    host: str | None = None
+    signature: str | None = None
+    onset_step: int | None = None
 
     def outcomes(self) -> dict[ProtocolStep, StepOutcome | None]:
         return {k: v.outcome for k, v in self.steps.items()}
+
+    def result(self, step: ProtocolStep) -> dict[str, Any]:
+        view = self.steps.get(step)
+        return dict(view.result) if view is not None else {}
+
+
+@dataclass(frozen=True)
+class CheckpointListing:
+    """What the checkpoint store holds, read when CONFIRM needs it."""
+
+    uri: str
+    complete: tuple[int, ...] = ()
+    """Steps of the checkpoints with a manifest and a COMMIT that names it."""
+    error: str | None = None
+    """The store could not be read: missing, never empty (a blind listing would
+    restart from step 0 and throw the saved work away)."""
 
 
 @dataclass(frozen=True)
@@ -143,16 +258,43 @@ class JobSnapshot:
     job_id: str
     status: JobStatus
     now: datetime
-    num_nodes: int
-    ranks_per_node: int
-    heartbeat_timeout_s: float
-    grace_s: float
+    spec: JobSpec
     attempt: AttemptView | None = None
     """The newest attempt; None before the first launch."""
     failures: tuple[Failure, ...] = ()
     """Failure events of the newest attempt, oldest first."""
     incident: IncidentView | None = None
     """The incident whose protocol has not finished, if any."""
+    past_incidents: tuple[rm.PastIncident, ...] = ()
+    """The job's earlier incidents, oldest first (the open one excluded)."""
+    listing: CheckpointListing | None = None
+    """Gathered while the open incident is at CONFIRM."""
+    candidates: tuple[Candidate, ...] | None = None
+    """What the launcher could run the job on, gathered when a placement is chosen."""
+    candidates_error: str | None = None
+    history: tuple[FailureRecord, ...] = ()
+    """Placement failures of every job (preemptions, lost nodes, stockouts)."""
+    excluded_hosts: frozenset[str] = frozenset()
+    """Hosts earlier incidents of this job blamed (never relaunched into)."""
+    abilities: LauncherAbilities = LauncherAbilities()
+    restarts_done: int = 0
+    """Relaunches after an incident so far (the job's restart count)."""
+
+    @property
+    def num_nodes(self) -> int:
+        return self.spec.num_nodes
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.spec.ranks_per_node
+
+    @property
+    def heartbeat_timeout_s(self) -> float:
+        return self.spec.restarts.heartbeat_timeout_s
+
+    @property
+    def grace_s(self) -> float:
+        return self.spec.restarts.grace_period_s
 
 
 # --- actions -----------------------------------------------------------------------------
@@ -165,18 +307,48 @@ class SetStatus:
 
 
 @dataclass(frozen=True)
-class Launch:
-    """Launch (or, after a crash mid-launch, re-launch) attempt ``number``."""
+class RecordAttempt:
+    """Record attempt ``number`` with exactly what LAUNCH will start: the placement,
+    the knobs and where the ranks resume from. Its nodes start on a later tick, once
+    the row is committed (an agent registering first would be told it is stale)."""
+
+    number: int
+    incident_id: int | None
+    placement: Placement
+    resume_step: int | None
+    """None: whatever the ranks find (first launch); 0: fresh; N: that step only."""
+    resume_from: str
+    """``latest`` | ``none`` | a step directory path (``{node_disk}`` allowed) or URI."""
+    in_place: bool = False
+    """Start on the previous attempt's nodes instead of provisioning new ones."""
+    exclude_hosts: tuple[str, ...] = ()
+    skip_steps: tuple[int, int] | None = None
+    """rollback_skip: the ranks skip the batches of these steps (inclusive)."""
+
+
+@dataclass(frozen=True)
+class StartNodes:
+    """Start the recorded attempt's nodes (the launcher is asked, never blocked on
+    twice: a launcher that already started them returns the same handle)."""
 
     number: int
     incident_id: int | None = None
 
 
 @dataclass(frozen=True)
+class Replan:
+    """The attempt's launch was refused for capacity: record the next placement."""
+
+    number: int
+    placement: Placement
+    reason: str
+
+
+@dataclass(frozen=True)
 class RecordFailure:
     """A failure the reconciler itself detected (no agent could report it)."""
 
-    kind: str
+    kind: EventKind
     failure_class: FailureClass
     node_id: str | None
     message: str
@@ -188,6 +360,10 @@ class OpenIncident:
     cause: Failure
     attempt: int
     last_step: int | None
+    consequences: tuple[int, ...] = ()
+    """Event ids of the attempt's other failures: what the cause did to the rest."""
+    host: str | None = None
+    onset_step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -202,29 +378,35 @@ class FinishStep:
     step: ProtocolStep
     outcome: StepOutcome
     detail: str
+    result: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
 class SendCommand:
     attempt: int
-    type: Literal["checkpoint_and_stop", "stop", "set_checkpoint_every"]
+    type: CommandType
     args: dict[str, object]
 
 
 @dataclass(frozen=True)
-class RunStep:
-    """An I/O step the applier performs and finishes itself (confirm, select, stage)."""
+class StageCheckpoint:
+    """Copy ``uri`` (verified, sha256) onto each node disk of attempt ``number``; the
+    executor finishes STAGE with what happened (ok, or failed and why)."""
 
     incident_id: int
-    step: ProtocolStep
+    number: int
+    step: int
+    uri: str
 
 
 @dataclass(frozen=True)
 class Release:
-    """Tear the attempt's nodes down and mark it ended."""
+    """Mark the attempt ended; tear its nodes down unless they stay for a restart in
+    place."""
 
     attempt: int
     reason: str
+    keep_nodes: bool = False
 
 
 @dataclass(frozen=True)
@@ -235,30 +417,38 @@ class MarkValidated:
 
 Action = (
     SetStatus
-    | Launch
+    | RecordAttempt
+    | StartNodes
+    | Replan
     | RecordFailure
     | OpenIncident
     | StartStep
     | FinishStep
     | SendCommand
-    | RunStep
+    | StageCheckpoint
     | Release
     | MarkValidated
 )
 
 
-# --- decide --------------------------------------------------------------------------------
+# --- detect --------------------------------------------------------------------------------
 
 
 def _age(now: datetime, then: datetime | None) -> float:
     return float("inf") if then is None else (now - then).total_seconds()
 
 
-def _primary(failures: tuple[Failure, ...]) -> Failure:
-    for cls in _PRIORITY:
-        for f in failures:
-            if f.failure_class is cls:
-                return f
+def primary_cause(failures: tuple[Failure, ...]) -> Failure:
+    """The first cause among failures that arrived together: the strongest class in
+    :data:`CAUSE_ORDER`, the earliest within it; a node the reconciler saw vanish
+    names a loss before a survivor's log that merely reads like one."""
+    for group in CAUSE_ORDER:
+        found = [f for f in failures if f.failure_class in group]
+        if found:
+            return min(
+                found,
+                key=lambda f: (f.kind != EventKind.NODE_LOST, f.occurred_at, f.event_id),
+            )
     return failures[0]
 
 
@@ -270,7 +460,7 @@ def detect(s: JobSnapshot, a: AttemptView, cfg: ReconcileConfig) -> RecordFailur
     seen = {n.node_rank: n for n in a.nodes}
     if a.vanished:
         return RecordFailure(
-            "node_lost",
+            EventKind.NODE_LOST,
             _F.NODE_LOST,
             a.vanished[0],
             f"node {a.vanished[0]} is gone: it exited before it registered with the service",
@@ -280,7 +470,7 @@ def detect(s: JobSnapshot, a: AttemptView, cfg: ReconcileConfig) -> RecordFailur
             continue
         if node.alive is False:
             return RecordFailure(
-                "node_lost",
+                EventKind.NODE_LOST,
                 _F.NODE_LOST,
                 node.node_id,
                 f"node {node.node_id} is gone: its processes vanished without a notice",
@@ -288,7 +478,7 @@ def detect(s: JobSnapshot, a: AttemptView, cfg: ReconcileConfig) -> RecordFailur
         hb = _age(s.now, node.last_heartbeat_at)
         if hb > s.heartbeat_timeout_s:
             return RecordFailure(
-                "node_lost",
+                EventKind.NODE_LOST,
                 _F.NODE_LOST,
                 node.node_id,
                 f"node {node.node_id} sent no heartbeat for {hb:.0f} s "
@@ -312,7 +502,7 @@ def detect(s: JobSnapshot, a: AttemptView, cfg: ReconcileConfig) -> RecordFailur
             age, rank, node_id = stalled[0]
             others = ", ".join(str(x[1]) for x in stalled[1:])
             return RecordFailure(
-                "rank_hang",
+                EventKind.RANK_HANG,
                 _F.NCCL_TIMEOUT,
                 node_id,
                 f"rank {rank} on {node_id} made no progress for {age:.0f} s "
@@ -320,11 +510,11 @@ def detect(s: JobSnapshot, a: AttemptView, cfg: ReconcileConfig) -> RecordFailur
                 + (f" Also silent: ranks {others}." if others else ""),
                 rank=rank,
             )
-    if _age(s.now, a.started_at) > cfg.register_timeout_s:
+    if a.launched and _age(s.now, a.started_at) > cfg.register_timeout_s:
         for k in range(a.num_nodes):
             if k not in seen:
                 return RecordFailure(
-                    "node_lost",
+                    EventKind.NODE_LOST,
                     _F.NODE_LOST,
                     None,
                     f"node {k} of attempt {a.number} never registered "
@@ -359,6 +549,23 @@ def _all_stopped(a: AttemptView) -> bool:
     return all(n.exited or n.alive is False for n in a.nodes)
 
 
+def _actionable(s: JobSnapshot, cfg: ReconcileConfig) -> tuple[Failure, ...]:
+    """The failures that open an incident: a straggler counts once it was reported
+    ``slow_reports_to_act`` times for the same node, every other failure at once."""
+    slow: dict[str | None, int] = {}
+    for f in s.failures:
+        if f.failure_class is _F.SLOW_PEER:
+            slow[f.node_id] = slow.get(f.node_id, 0) + 1
+    return tuple(
+        f
+        for f in s.failures
+        if f.failure_class is not _F.SLOW_PEER or slow[f.node_id] >= cfg.slow_reports_to_act
+    )
+
+
+# --- decide --------------------------------------------------------------------------------
+
+
 def decide(s: JobSnapshot, cfg: ReconcileConfig | None = None) -> list[Action]:
     cfg = cfg or ReconcileConfig()
     a = s.attempt
@@ -367,28 +574,41 @@ def decide(s: JobSnapshot, cfg: ReconcileConfig | None = None) -> list[Action]:
             return [Release(a.number, f"job {s.status}")]
         return []
     if a is None:
-        return [SetStatus(JobStatus.PROVISIONING, "launching attempt 1"), Launch(1)]
-    if not a.launched and a.state == "launching":
-        return [Launch(a.number)]
+        return _first_launch(s)
     if s.incident is not None:
         return _protocol(s, a, s.incident, cfg)
+    if not a.launched and a.state == "launching":
+        return _launch(s, a, None, cfg)
 
-    refusal = _refusal(s.failures)
+    failures = _actionable(s, cfg)
+    refusal = _refusal(failures)
     if refusal is not None:
         return _fail(a, f"ranks refused to resume: {refusal.message or refusal.kind}")
-    if s.failures:
+    if failures:
         # A node that vanished names the incident even if its peers' crashes were
         # reported first: record it before opening.
         lost = detect(s, a, cfg)
         if (
             lost is not None
             and lost.failure_class is _F.NODE_LOST
-            and not any(f.failure_class is _F.NODE_LOST for f in s.failures)
+            and not any(f.kind == EventKind.NODE_LOST for f in failures)
         ):
             return [lost]
-        cause = _primary(s.failures)
+        cause = primary_cause(failures)
+        onsets = [
+            f.step
+            for f in failures
+            if f.failure_class is cause.failure_class and f.step is not None
+        ]
         return [
-            OpenIncident(cause, a.number, a.last_step()),
+            OpenIncident(
+                cause,
+                a.number,
+                a.last_step(),
+                consequences=tuple(f.event_id for f in failures if f is not cause),
+                host=a.host_of(cause.node_id),
+                onset_step=min(onsets) if onsets else None,
+            ),
             SetStatus(JobStatus.RECOVERING, f"{cause.failure_class}: {cause.message}"[:500]),
         ]
     found = detect(s, a, cfg)
@@ -416,10 +636,10 @@ def decide(s: JobSnapshot, cfg: ReconcileConfig | None = None) -> list[Action]:
             if s.status is JobStatus.PROVISIONING:
                 out.append(SetStatus(JobStatus.RUNNING, f"all {a.world_size} ranks at step {step}"))
             return out
-        if _age(s.now, a.started_at) > cfg.validate_timeout_s:
+        if a.launched and _age(s.now, a.started_at) > cfg.validate_timeout_s:
             return [
                 RecordFailure(
-                    "stuck",
+                    EventKind.STUCK,
                     _F.RENDEZVOUS_FAILURE,
                     None,
                     f"attempt {a.number}: not every rank reported its resume step "
@@ -429,95 +649,364 @@ def decide(s: JobSnapshot, cfg: ReconcileConfig | None = None) -> list[Action]:
     return []
 
 
-def _fail(a: AttemptView, reason: str) -> list[Action]:
-    out: list[Action] = [SetStatus(JobStatus.FAILED, reason)]
-    if a.state != "ended":
+def _fail(a: AttemptView | None, reason: str) -> list[Action]:
+    out: list[Action] = [SetStatus(JobStatus.FAILED, reason[:2000])]
+    if a is not None and a.state != "ended":
         out.append(Release(a.number, reason))
     return out
+
+
+def _knobs_for_memory(spec: JobSpec, p: Placement) -> tuple[Placement, str | None]:
+    """Knobs replanned for the GPU memory a placement declares (None: it does not fit,
+    with the planner's reason)."""
+    if spec.model is None or not p.gpu_memory_gib or p.knobs is not None:
+        return p, None
+    try:
+        plan = plan_memory(spec.model, p.gpu_memory_gib, spec.num_nodes * spec.ranks_per_node)
+    except (DoesNotFit, BatchNotDivisible) as e:
+        return p, str(e)
+    return Placement(
+        **{**p.__dict__, "knobs": plan.knobs, "reasons": (*p.reasons, *plan.reasons)}
+    ), None
+
+
+def _first_launch(s: JobSnapshot) -> list[Action]:
+    if s.candidates is None:
+        return _fail(None, f"no placement: {s.candidates_error or 'the launcher offered none'}")
+    choice = rm.select_placement(s.spec, s.candidates, s.history, s.now)
+    if choice.placement is None:
+        return _fail(None, f"no placement: {choice.reason}")
+    placement, why = _knobs_for_memory(s.spec, choice.placement)
+    if why is not None:
+        return _fail(None, f"no placement: {why}")
+    return [
+        SetStatus(JobStatus.PROVISIONING, "launching attempt 1"),
+        RecordAttempt(1, None, placement, None, "latest"),
+    ]
 
 
 def _protocol(
     s: JobSnapshot, a: AttemptView, inc: IncidentView, cfg: ReconcileConfig
 ) -> list[Action]:
-    step = next_step(inc.outcomes())
+    for done_step in ORDER[:-1]:
+        done = inc.steps.get(done_step)
+        if done is not None and done.outcome is StepOutcome.FAILED:
+            # The step said why; the job ends with it (no other step can follow).
+            return _fail(a, done.detail or f"{done_step} failed")
+    step = next(
+        (p for p in ORDER if inc.steps.get(p) is None or inc.steps[p].outcome is None), None
+    )
     if step is None:  # gather only passes open incidents; nothing to do
         return []
-    view = inc.steps.get(step)
     i = inc.event_id
-    if step is ProtocolStep.SIGNAL:
-        if view is None:
-            if inc.failure_class in SAVE_CLASSES:
-                cmd = SendCommand(
-                    inc.attempt,
-                    "checkpoint_and_stop",
-                    {"reason": str(inc.failure_class), "grace_s": s.grace_s},
-                )
-            else:
-                cmd = SendCommand(inc.attempt, "stop", {"reason": str(inc.failure_class)})
-            return [StartStep(i, step), cmd]
-        waited = _age(s.now, view.started_at)
-        if _all_stopped(a):
-            how = "saved and stopped" if inc.failure_class in SAVE_CLASSES else "stopped"
-            return [FinishStep(i, step, StepOutcome.OK, f"every rank {how} ({waited:.1f} s)")]
-        if waited > s.grace_s + cfg.signal_slack_s:
-            left = [n.node_id for n in a.nodes if not (n.exited or n.alive is False)]
-            return [
-                FinishStep(
-                    i,
-                    step,
-                    StepOutcome.OK,
-                    f"grace of {s.grace_s:.0f} s over; still running, released: {', '.join(left)}",
-                )
-            ]
-        return []
-    if step in (
-        ProtocolStep.CONFIRM_CHECKPOINT,
-        ProtocolStep.SELECT_REPLACEMENT,
-        ProtocolStep.STAGE,
-    ):
-        return [RunStep(i, step)]
-    if step is ProtocolStep.LAUNCH:
-        return [Launch(inc.attempt + 1, incident_id=i)]
-    if step is ProtocolStep.VALIDATE:
-        if a.number <= inc.attempt:  # launch recorded but attempt not gathered yet
-            return []
-        refusal = _refusal(s.failures)
-        if refusal is not None:
-            reason = f"ranks refused to resume: {refusal.message or refusal.kind}"
-            return [FinishStep(i, step, StepOutcome.FAILED, reason), *_fail(a, reason)]
-        resumed = resumed_everywhere(a)
-        if resumed is not None:
-            return [
-                FinishStep(
-                    i,
-                    step,
-                    StepOutcome.OK,
-                    f"all {a.world_size} ranks resumed at step {resumed}",
-                ),
-                MarkValidated(a.number, resumed),
-                SetStatus(JobStatus.RUNNING, f"recovered: all ranks at step {resumed}"),
-            ]
-        if s.failures:
-            f = _primary(s.failures)
-            return [
-                FinishStep(
-                    i,
-                    step,
-                    StepOutcome.FAILED,
-                    f"attempt {a.number} failed before validating: {f.failure_class}",
-                )
-            ]
-        found = detect(s, a, cfg)
-        if found is not None:
-            return [found]
-        if _age(s.now, a.started_at) > cfg.validate_timeout_s:
-            reason = f"ranks did not all report a resume step in {cfg.validate_timeout_s:.0f} s"
-            return [
-                FinishStep(i, step, StepOutcome.FAILED, reason),
-                RecordFailure("stuck", _F.RENDEZVOUS_FAILURE, None, reason),
-            ]
-        return []
+    view = inc.steps.get(step)
+    start: list[Action] = [StartStep(i, step)] if view is None else []
+    if step is _P.SIGNAL:
+        return start + _signal(s, a, inc, view, cfg)
+    if step is _P.CONFIRM_CHECKPOINT:
+        return start + _confirm(s, a, inc)
+    if step is _P.SELECT_REPLACEMENT:
+        return start + _select(s, a, inc)
+    if step is _P.STAGE:
+        return start + _stage(s, a, inc)
+    if step is _P.LAUNCH:
+        if a.number <= inc.attempt:
+            return start + _record_relaunch(s, inc)
+        return start + _launch(s, a, inc, cfg)
+    if step is _P.VALIDATE:
+        return start + _validate(s, a, inc, cfg, started=view is not None)
     return []  # DETECT is written when the incident opens
+
+
+def _signal(
+    s: JobSnapshot, a: AttemptView, inc: IncidentView, view: StepView | None, cfg: ReconcileConfig
+) -> list[Action]:
+    i, step = inc.event_id, _P.SIGNAL
+    if view is None:
+        reason = str(inc.failure_class)
+        if inc.failure_class in SAVE_CLASSES:
+            args: dict[str, object] = {"reason": reason, "grace_s": s.grace_s}
+            return [SendCommand(inc.attempt, CommandType.CHECKPOINT_AND_STOP, args)]
+        args = {"reason": reason}
+        if inc.failure_class in STACK_CLASSES:
+            args["capture_stacks"] = True  # the evidence, before the kill
+        return [SendCommand(inc.attempt, CommandType.STOP, args)]
+    waited = _age(s.now, view.started_at)
+    if _all_stopped(a):
+        how = "saved and stopped" if inc.failure_class in SAVE_CLASSES else "stopped"
+        return [FinishStep(i, step, StepOutcome.OK, f"every rank {how} ({waited:.1f} s)")]
+    if waited > s.grace_s + cfg.signal_slack_s:
+        left = [n.node_id for n in a.nodes if not (n.exited or n.alive is False)]
+        return [
+            FinishStep(
+                i,
+                step,
+                StepOutcome.OK,
+                f"grace of {s.grace_s:.0f} s over; still running, released: {', '.join(left)}",
+            )
+        ]
+    return []
+
+
+def _in_place(s: JobSnapshot, inc: IncidentView) -> bool:
+    return rm.remedy_for(inc.failure_class) is _A.RESTART_IN_PLACE and s.abilities.restarts_in_place
+
+
+def _confirm(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
+    i, step = inc.event_id, _P.CONFIRM_CHECKPOINT
+    listing = s.listing
+    if listing is None:
+        return []  # gathered on the next tick
+    if listing.error is not None:
+        reason = f"checkpoint storage unreadable: {listing.error}"
+        return [FinishStep(i, step, StepOutcome.FAILED, reason), *_fail(a, reason)]
+    choice = rm.choose_checkpoint(listing.complete, inc.failure_class, inc.onset_step)
+    last = a.last_step()
+    if choice.step is None:
+        uri = None
+        text = f"{choice.reason} under {listing.uri}: restarting from step 0"
+    else:
+        uri = f"{listing.uri.rstrip('/')}/step_{choice.step}"
+        lost = f"{last - choice.step} steps lost" if isinstance(last, int) else "steps lost: ?"
+        text = (
+            f"step_{choice.step} complete on all ranks (manifest + COMMIT): {choice.reason}; "
+            f"last step seen {last}; {lost}"
+        )
+    keep = _in_place(s, inc)
+    return [
+        FinishStep(i, step, StepOutcome.OK, text, {"step": choice.step, "uri": uri}),
+        # Only now, with the checkpoint confirmed, are the old nodes released.
+        Release(a.number, f"incident {i}", keep_nodes=keep),
+    ]
+
+
+def _select(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
+    i, step = inc.event_id, _P.SELECT_REPLACEMENT
+    spec = s.spec
+    r = spec.restarts
+
+    def fail(reason: str) -> list[Action]:
+        return [FinishStep(i, step, StepOutcome.FAILED, reason), *_fail(a, reason)]
+
+    refused = rm.refuse_to_continue(
+        inc.failure_class,
+        inc.signature,
+        inc.onset_step,
+        s.past_incidents,
+        restarts_done=s.restarts_done,
+        max_restarts=r.max_restarts,
+        max_same_user_error=r.max_same_user_error,
+        max_same_anomaly=r.max_same_anomaly,
+        on_anomaly=r.on_anomaly,
+    )
+    if refused is not None:
+        return fail(refused)
+    action = rm.remedy_for(inc.failure_class)
+    failed = a.placement
+    notes: list[str] = []
+    knobs = failed.knobs if failed is not None else None
+    if action is _A.REPLAN_MEMORY:
+        dp = spec.num_nodes * spec.ranks_per_node
+        k = rm.knobs_after_oom(spec, knobs, dp)
+        if k.refused:
+            return fail(k.reason)
+        knobs = k.knobs
+        notes.append(k.reason)
+    in_place = _in_place(s, inc) and failed is not None
+    exclude_hosts = set(s.excluded_hosts)
+    if inc.failure_class in rm.BLAMES_HOST and inc.host:
+        exclude_hosts.add(inc.host)
+        notes.append(f"host {inc.host} excluded for good ({inc.failure_class})")
+    if in_place:
+        assert failed is not None
+        placement = rm.same_placement(failed, knobs)
+        where = f"restart in place on the same {failed.num_nodes} nodes"
+    elif action is _A.RESTART_IN_PLACE and failed is not None:
+        placement = rm.same_placement(failed, knobs)
+        where = f"same placement ({failed.cloud}/{failed.region}), new nodes"
+    else:
+        if s.candidates is None:
+            return fail(f"no replacement: {s.candidates_error or 'the launcher offered none'}")
+        avoid = rm.regions_to_avoid(inc.failure_class, failed)
+        choice = rm.select_placement(spec, s.candidates, s.history, s.now, exclude_regions=avoid)
+        if choice.placement is None:
+            return fail(f"no replacement: {choice.reason}")
+        placement = choice.placement
+        if action is _A.REPLAN_MEMORY:
+            placement = replace(placement, knobs=knobs)
+        else:
+            placement, why = _knobs_for_memory(spec, placement)
+            if why is not None:
+                return fail(f"no replacement: {why}")
+        where = choice.reason
+    kn = placement.knobs
+    if kn is not None and placement.gpu_memory_gib and action is not _A.REPLAN_MEMORY:
+        notes.append(
+            f"knobs: micro-batch {kn.micro_batch} x {kn.grad_accum} accumulation, activation "
+            f"checkpointing every {kn.activation_checkpoint_every or '-'} for "
+            f"{placement.gpu_memory_gib:g} GiB"
+        )
+    text = "; ".join([f"{action}: {where}", *notes])
+    result = {
+        "remedy": str(action),
+        "placement": placement.to_dict(),
+        "in_place": in_place,
+        "exclude_hosts": sorted(exclude_hosts),
+    }
+    return [FinishStep(i, step, StepOutcome.OK, text, result)]
+
+
+def _stage(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
+    i, step = inc.event_id, _P.STAGE
+    confirmed = inc.result(_P.CONFIRM_CHECKPOINT)
+    want, uri = confirmed.get("step"), confirmed.get("uri")
+    if want is None or uri is None:
+        return [FinishStep(i, step, StepOutcome.SKIPPED, "fresh start: nothing to stage")]
+    if s.abilities.stages_node_disk and not inc.result(_P.SELECT_REPLACEMENT).get("in_place"):
+        return [StageCheckpoint(i, inc.attempt + 1, int(want), str(uri))]
+    return [
+        FinishStep(
+            i, step, StepOutcome.SKIPPED, f"ranks stage {uri} from the checkpoint store at start"
+        )
+    ]
+
+
+def _record_relaunch(s: JobSnapshot, inc: IncidentView) -> list[Action]:
+    confirmed = inc.result(_P.CONFIRM_CHECKPOINT)
+    selected = inc.result(_P.SELECT_REPLACEMENT)
+    placement = Placement.from_dict(selected["placement"])
+    want, uri = confirmed.get("step"), confirmed.get("uri")
+    staged = inc.outcomes().get(_P.STAGE) is StepOutcome.OK
+    if want is None:
+        resume_step, resume_from = 0, "none"
+    elif staged:
+        resume_step, resume_from = int(want), f"{{node_disk}}/staged/step_{int(want)}"
+    else:
+        resume_step, resume_from = int(want), str(uri)
+    skip = None
+    if (
+        inc.failure_class in rm.ANOMALIES
+        and s.spec.restarts.on_anomaly == "rollback_skip"
+        and inc.onset_step is not None
+    ):
+        skip = (resume_step + 1, inc.onset_step + s.spec.restarts.skip_after_onset)
+    return [
+        RecordAttempt(
+            inc.attempt + 1,
+            inc.event_id,
+            placement,
+            resume_step,
+            resume_from,
+            in_place=bool(selected.get("in_place")),
+            exclude_hosts=tuple(selected.get("exclude_hosts") or ()),
+            skip_steps=skip,
+        )
+    ]
+
+
+def _launch(
+    s: JobSnapshot, a: AttemptView, inc: IncidentView | None, cfg: ReconcileConfig
+) -> list[Action]:
+    """Start the recorded attempt; after a refusal, re-plan (capacity) or stop."""
+    i = inc.event_id if inc is not None else None
+
+    def fail(reason: str) -> list[Action]:
+        done: list[Action] = []
+        if i is not None:
+            done.append(FinishStep(i, _P.LAUNCH, StepOutcome.FAILED, reason))
+        return done + _fail(a, reason)
+
+    if a.launched:
+        return []  # the executor finished LAUNCH when the launcher took it
+    p = a.placement
+    last = a.launch_failures[-1] if a.launch_failures else None
+    if (
+        p is None
+        or last is None
+        or (last.cloud, last.region, last.instance_type)
+        != (
+            p.cloud,
+            p.region,
+            p.instance_type,
+        )
+    ):
+        # In place after a transport error: wait the backoff before starting again.
+        if inc is not None and inc.result(_P.SELECT_REPLACEMENT).get("in_place"):
+            tries = 1
+            for past in reversed(s.past_incidents):  # consecutive restarts in place
+                if rm.remedy_for(past.failure_class) is not _A.RESTART_IN_PLACE:
+                    break
+                tries += 1
+            wait = rm.backoff_s(s.job_id, tries, base_s=cfg.backoff_base_s, cap_s=cfg.backoff_cap_s)
+            if _age(s.now, a.started_at) < wait:
+                return []
+        return [StartNodes(a.number, i)]
+    if not last.capacity:
+        return fail(f"launch failed: {last.message}")
+    tried = ", ".join(f"{f.cloud}/{f.region}/{f.instance_type}" for f in a.launch_failures)
+    if s.candidates is None:
+        return fail(f"launch failed: {last.message}; no other placement: {s.candidates_error}")
+    choice = rm.select_placement(s.spec, s.candidates, s.history, s.now)
+    if choice.placement is None:
+        return fail(
+            f"no capacity anywhere: tried {tried}; {choice.reason}"
+            + (f" ({'; '.join(choice.tried)})" if choice.tried else "")
+        )
+    wait = rm.backoff_s(
+        s.job_id, len(a.launch_failures), base_s=cfg.backoff_base_s, cap_s=cfg.backoff_cap_s
+    )
+    if _age(s.now, last.at) < wait:
+        return []
+    placement = replace(choice.placement, knobs=p.knobs)
+    return [
+        Replan(
+            a.number,
+            placement,
+            f"{last.region} had no capacity for {last.instance_type} (cooling down); "
+            f"waited {wait:.1f} s; now {choice.reason}",
+        )
+    ]
+
+
+def _validate(
+    s: JobSnapshot, a: AttemptView, inc: IncidentView, cfg: ReconcileConfig, *, started: bool
+) -> list[Action]:
+    i, step = inc.event_id, _P.VALIDATE
+    out: list[Action] = []
+    if not started:
+        out.append(SetStatus(JobStatus.PROVISIONING, f"attempt {a.number} launched"))
+    if a.number <= inc.attempt:  # launch recorded but attempt not gathered yet
+        return out
+    failures = _actionable(s, cfg)
+    refusal = _refusal(failures)
+    if refusal is not None:
+        reason = f"ranks refused to resume: {refusal.message or refusal.kind}"
+        return [*out, FinishStep(i, step, StepOutcome.FAILED, reason), *_fail(a, reason)]
+    resumed = resumed_everywhere(a)
+    if resumed is not None:
+        return [
+            *out,
+            FinishStep(
+                i, step, StepOutcome.OK, f"all {a.world_size} ranks resumed at step {resumed}"
+            ),
+            MarkValidated(a.number, resumed),
+            SetStatus(JobStatus.RUNNING, f"recovered: all ranks at step {resumed}"),
+        ]
+    if failures:
+        f = primary_cause(failures)
+        detail = f"attempt {a.number} failed before validating: {f.failure_class}"
+        return [*out, FinishStep(i, step, StepOutcome.FAILED, detail)]
+    found = detect(s, a, cfg)
+    if found is not None:
+        return [*out, found]
+    if _age(s.now, a.started_at) > cfg.validate_timeout_s:
+        reason = f"ranks did not all report a resume step in {cfg.validate_timeout_s:.0f} s"
+        return [
+            *out,
+            FinishStep(i, step, StepOutcome.FAILED, reason),
+            RecordFailure(EventKind.STUCK, _F.RENDEZVOUS_FAILURE, None, reason),
+        ]
+    return out
 
 
 def checkpoint_every_update(

@@ -109,6 +109,15 @@ class RestartPolicy(_Strict):
     heartbeat_timeout_s: float = Field(default=30.0, gt=0)
     grace_period_s: float = Field(default=90.0, gt=0, description="time ranks get to save")
     max_same_user_error: int = Field(default=2, ge=1)
+    """The same user code error (exception type and message) this many times fails
+    the job: the bug is in the script, and a restart reproduces it."""
+    on_anomaly: Literal["rollback", "rollback_skip", "fail"] = "rollback"
+    """NaN/Inf or a persistent loss spike: resume from the newest checkpoint older than
+    the onset (rollback), also skip the batches around it (rollback_skip), or stop."""
+    max_same_anomaly: int = Field(default=2, ge=1)
+    """The same anomaly at the same step this many times fails the job."""
+    skip_after_onset: int = Field(default=10, ge=0)
+    """rollback_skip: steps past the onset whose batches are skipped too."""
 
 
 class JobSpec(_Strict):

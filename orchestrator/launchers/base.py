@@ -8,13 +8,17 @@ never retries on its own (recovery is skyresume's, not the provider's).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 from orchestrator.domain.plan import Placement
+from orchestrator.domain.planner import Candidate
+from orchestrator.domain.reconcile import LauncherAbilities
 from orchestrator.domain.spec import JobSpec, TaskSpec
+
+__all__ = ["Candidate", "LauncherAbilities"]
 
 
 class ClusterState(StrEnum):
@@ -42,6 +46,10 @@ class LaunchRequest:
     task: TaskSpec | None = None
     """The job's task (template or the user's SkyPilot YAML), for launchers that build
     a provider task from it; the local launcher runs ``command`` directly."""
+    exclude_hosts: tuple[str, ...] = ()
+    """Hosts never to place a node on (a hardware fault or a slow node was blamed on
+    them). A cloud gives a fresh VM on every launch; a launcher that picks hosts
+    itself must skip these."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,8 @@ class LaunchHandle:
     cluster_name: str
     launcher: str
     node_ids: tuple[str, ...] = ()
+    hosts: tuple[str, ...] = ()
+    """The host of each node, in node order, where the launcher knows it."""
 
 
 @dataclass(frozen=True)
@@ -62,17 +72,52 @@ class LaunchError(RuntimeError):
     """The provider refused or failed the launch; the message says which constraint."""
 
 
-class Launcher(Protocol):
-    name: str
+class CapacityError(LaunchError):
+    """The provider had no capacity or quota for this placement (a stockout): another
+    region or instance type may well work, so the job re-plans instead of failing."""
 
-    def placement_for(
-        self, spec: JobSpec, *, exclude_regions: Sequence[str] = (), replacement: bool = False
-    ) -> Placement:
-        """Where the job's next attempt runs. ``exclude_regions`` (``cloud/region`` or
-        a region name) are those that just preempted or lost a node; ``replacement``
-        is true for every relaunch after an incident."""
+
+@runtime_checkable
+class Launcher(Protocol):
+    """What the reconciler asks of whatever provides nodes."""
+
+    name: str
+    abilities: LauncherAbilities
+
+    def candidates(self, spec: JobSpec, *, replacement: bool = False) -> list[Candidate]:
+        """Everything the job could run on (the planner in ``domain`` ranks them).
+        ``replacement`` is true for every relaunch after an incident. LaunchError
+        when the offerings cannot be read."""
         ...
 
-    def launch(self, request: LaunchRequest) -> LaunchHandle: ...
+    def launch(self, request: LaunchRequest) -> LaunchHandle:
+        """Start the nodes (idempotent per job and attempt); CapacityError on a
+        stockout, LaunchError otherwise."""
+        ...
+
+    def restart(self, previous: LaunchHandle, request: LaunchRequest) -> LaunchHandle:
+        """Start ``request`` on the nodes of ``previous`` (``abilities.restarts_in_place``)."""
+        ...
+
     def status(self, handle: LaunchHandle) -> ClusterStatus: ...
     def down(self, handle: LaunchHandle) -> None: ...
+
+    def node_disk(self, job_id: str, attempt: int, index: int) -> Path:
+        """A node's local disk before it starts (``abilities.stages_node_disk``)."""
+        ...
+
+
+@runtime_checkable
+class ChaosLauncher(Launcher, Protocol):
+    """A launcher that can break its own nodes on request (``abilities.chaos``)."""
+
+    def preempt(
+        self, node_id: str, *, provider: str | None = None, in_seconds: float = 30
+    ) -> None: ...
+    def kill_node(self, job_id: str, node_id: str) -> int: ...
+    def kill_agent(self, job_id: str, node_id: str) -> None: ...
+    def signal_pid(self, job_id: str, node_id: str, pid: int, sig: int) -> None: ...
+    def slow_pid(
+        self, job_id: str, node_id: str, pid: int, *, duty: float, seconds: float
+    ) -> None: ...
+    def stockout(self, region: str, *, seconds: float) -> None: ...

@@ -31,9 +31,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from orchestrator.cloud.simulator import MetadataSimulator
-from orchestrator.domain.plan import Placement
+from orchestrator.domain.planner import Candidate
+from orchestrator.domain.reconcile import LauncherAbilities
 from orchestrator.domain.spec import JobSpec
 from orchestrator.launchers.base import (
+    CapacityError,
     ClusterState,
     ClusterStatus,
     LaunchError,
@@ -107,6 +109,7 @@ class LocalLauncher:
     """Nodes as process sessions. ``token_for(job_id)`` gives the agent's job token."""
 
     name = "local"
+    abilities = LauncherAbilities(stages_node_disk=True, restarts_in_place=True, chaos=True)
 
     def __init__(
         self,
@@ -120,6 +123,8 @@ class LocalLauncher:
         heartbeat_s: float = 1.0,
         gpu_memory_gib: float | None = None,
         replacement_gpu_memory_gib: float | None = None,
+        regions: tuple[str, ...] = ("local",),
+        hosts_per_region: int = 8,
     ) -> None:
         if provider not in PROVIDERS:
             raise ValueError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
@@ -132,6 +137,10 @@ class LocalLauncher:
         self.heartbeat_s = heartbeat_s
         self.gpu_memory_gib = gpu_memory_gib
         self.replacement_gpu_memory_gib = replacement_gpu_memory_gib
+        if not regions or hosts_per_region < 1:
+            raise ValueError("the local launcher needs at least one region and one host in each")
+        self.regions = tuple(regions)
+        self.hosts_per_region = hosts_per_region
         self._sim: MetadataSimulator | None = None
         self._lock = threading.Lock()
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -172,14 +181,8 @@ class LocalLauncher:
 
     # --- Launcher protocol ------------------------------------------------------------
 
-    def placement_for(
-        self,
-        spec: JobSpec,
-        *,
-        exclude_regions: tuple[str, ...] | list[str] = (),
-        replacement: bool = False,
-    ) -> Placement:
-        """Every node is a process on this machine: one shape, no price, no regions.
+    def candidates(self, spec: JobSpec, *, replacement: bool = False) -> list[Candidate]:
+        """One offering per local region: process nodes, no price.
 
         ``gpu_memory_gib`` (first launch) and ``replacement_gpu_memory_gib`` (every
         relaunch) declare a GPU size the nodes pretend to have, so that a replacement
@@ -187,21 +190,73 @@ class LocalLauncher:
         """
         gib = self.replacement_gpu_memory_gib if replacement else self.gpu_memory_gib
         gib = gib if gib is not None else self.gpu_memory_gib
-        what = f", declared {gib:g} GiB per 'GPU'" if gib is not None else ""
-        return Placement(
-            cloud="local",
-            region="local",
-            instance_type="cpu-process",
-            accelerator=None,
-            accelerator_count=0,
-            num_nodes=spec.num_nodes,
-            spot=spec.spot,
-            gpu_memory_gib=gib,
-            price_per_node_hour=0.0,
-            reasons=(f"local launcher: nodes are process sessions on this machine{what}",),
-        )
+        return [
+            Candidate(
+                cloud="local",
+                region=r,
+                instance_type="cpu-process",
+                accelerator=None,
+                accelerator_count=0,
+                gpu_memory_gib=gib,
+                price_per_node_hour=0.0,
+                spot_price_per_node_hour=0.0,
+            )
+            for r in self.regions
+        ]
+
+    # --- capacity (a stocked-out region refuses launches, like a cloud) -------------------
+
+    def _stockout_file(self) -> Path:
+        return self.root / "stockouts.json"
+
+    def stocked_out(self) -> dict[str, float]:
+        """region -> until (epoch seconds) for regions that refuse launches now."""
+        try:
+            doc = json.loads(self._stockout_file().read_text())
+        except (OSError, ValueError):
+            return {}
+        now = time.time()
+        return {r: float(t) for r, t in doc.items() if isinstance(t, int | float) and t > now}
+
+    def stockout(self, region: str, *, seconds: float = 600.0) -> None:
+        """Chaos: ``region`` has no capacity for ``seconds`` (0 lifts it). Kept in a file,
+        so a restarted service still sees it."""
+        if region not in self.regions:
+            raise LaunchError(
+                f"no local region {region!r}: this service has {', '.join(self.regions)} "
+                "(SKYRESUME_LOCAL_REGIONS)"
+            )
+        doc = self.stocked_out()
+        if seconds > 0:
+            doc[region] = time.time() + seconds
+        else:
+            doc.pop(region, None)
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self._stockout_file().with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, self._stockout_file())
+
+    def _hosts_for(self, region: str, count: int, exclude: tuple[str, ...]) -> tuple[str, ...]:
+        free = [
+            h
+            for h in (f"{region}-host{i}" for i in range(self.hosts_per_region))
+            if h not in exclude
+        ]
+        if len(free) < count:
+            raise CapacityError(
+                f"InsufficientInstanceCapacity: local region {region} has {len(free)} usable "
+                f"hosts for {count} nodes (excluded: {', '.join(exclude) or 'none'})"
+            )
+        return tuple(free[:count])
+
+    def restart(self, previous: LaunchHandle, request: LaunchRequest) -> LaunchHandle:
+        """A new attempt on the previous attempt's hosts: nothing is provisioned."""
+        return self._start(request, previous.hosts or None)
 
     def launch(self, request: LaunchRequest) -> LaunchHandle:
+        return self._start(request, None)
+
+    def _start(self, request: LaunchRequest, hosts: tuple[str, ...] | None) -> LaunchHandle:
         job, attempt = request.job_id, request.attempt
         nodes = request.placement.num_nodes
         cluster = f"{job}-a{attempt}"
@@ -210,9 +265,21 @@ class LocalLauncher:
         if meta.exists():
             # Idempotent: a service that restarted mid-launch must not start twins.
             doc = json.loads(meta.read_text())
-            return LaunchHandle(cluster, self.name, tuple(doc["node_ids"]))
+            return LaunchHandle(
+                cluster, self.name, tuple(doc["node_ids"]), tuple(doc.get("hosts", ()))
+            )
         if not request.command.strip():
             raise LaunchError("the job has no command to run")
+        region = request.placement.region
+        if hosts is None:
+            if region not in self.regions:
+                raise LaunchError(f"no local region {region!r} ({', '.join(self.regions)})")
+            if region in self.stocked_out():
+                raise CapacityError(
+                    f"InsufficientInstanceCapacity: local region {region} has no capacity "
+                    f"for {request.placement.instance_type} (skyresume chaos stockout)"
+                )
+            hosts = self._hosts_for(region, nodes, request.exclude_hosts)
         master_port = free_port()
         user_cmd = shlex.split(request.command)
         token = self.token_for(job)
@@ -263,8 +330,12 @@ class LocalLauncher:
             (d / "agent.pid").write_text(str(proc.pid))
             with self._lock:
                 self._procs[node_id] = proc
-        meta.write_text(json.dumps({"node_ids": list(node_ids), "master_port": master_port}))
-        return LaunchHandle(cluster, self.name, node_ids)
+        meta.write_text(
+            json.dumps(
+                {"node_ids": list(node_ids), "master_port": master_port, "hosts": list(hosts)}
+            )
+        )
+        return LaunchHandle(cluster, self.name, node_ids, hosts)
 
     def _reap(self) -> None:
         with self._lock:
@@ -289,7 +360,7 @@ class LocalLauncher:
             state = ClusterState.DOWN
         return ClusterStatus(state, up)
 
-    def down(self, handle: LaunchHandle, *, grace_s: float = 5.0) -> None:
+    def down(self, handle: LaunchHandle, grace_s: float = 5.0) -> None:
         job = handle.cluster_name.rsplit("-a", 1)[0]
         markers = {_marker(job, n): n for n in handle.node_ids}
 

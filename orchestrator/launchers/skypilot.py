@@ -37,9 +37,11 @@ from typing import Any
 
 from orchestrator.contract import Env
 from orchestrator.domain.plan import Placement
-from orchestrator.domain.planner import FailureRecord, rank
+from orchestrator.domain.planner import Candidate, FailureRecord
+from orchestrator.domain.reconcile import LauncherAbilities
 from orchestrator.domain.spec import JobSpec, SpecError, TaskSpec, load_yaml_document
 from orchestrator.launchers.base import (
+    CapacityError,
     ClusterState,
     ClusterStatus,
     LaunchError,
@@ -272,6 +274,9 @@ class SkyPilotLauncher:
     """The Launcher protocol over the SkyPilot SDK (see the module docstring)."""
 
     name = "skypilot"
+    #: A relaunch in place runs the task again on the same cluster (``sky.exec``);
+    #: staging happens on the nodes themselves, chaos needs the local launcher.
+    abilities = LauncherAbilities(restarts_in_place=True)
 
     def __init__(
         self,
@@ -303,17 +308,10 @@ class SkyPilotLauncher:
 
     # --- placing ---------------------------------------------------------------
 
-    def placement_for(
-        self,
-        spec: JobSpec,
-        *,
-        exclude_regions: Sequence[str] = (),
-        now: datetime | None = None,
-        replacement: bool = False,
-    ) -> Placement:
-        """The planner's first choice for ``spec`` (LaunchError naming why, if none).
-        ``replacement`` changes nothing here: what a replacement must avoid comes in
-        ``exclude_regions``, and the planner replans knobs for each candidate's GPU."""
+    def candidates(self, spec: JobSpec, *, replacement: bool = False) -> list[Candidate]:
+        """What SkyPilot's catalog offers for the job: its accelerators, or the
+        resource options of its own task YAML (LaunchError when unreadable).
+        ``replacement`` changes nothing here: the catalog is the same for both."""
         from orchestrator.launchers.catalog import (
             CatalogUnavailable,
             UnknownAccelerator,
@@ -328,23 +326,36 @@ class SkyPilotLauncher:
                 what = f"SkyPilot task {spec.task.skypilot_yaml}"
                 config = load_task_config(Path(spec.task.skypilot_yaml), what=what)
                 demand = demand_from_task(task_from_config(config, what=what))
-                candidates = gather_for_task(demand, clouds=spec.clouds)
-            else:
-                candidates = gather_candidates(
-                    spec.accelerators, clouds=spec.clouds, regions=spec.regions
-                )
+                return list(gather_for_task(demand, clouds=spec.clouds))
+            return list(
+                gather_candidates(spec.accelerators, clouds=spec.clouds, regions=spec.regions)
+            )
         except (CatalogUnavailable, UnknownAccelerator) as e:
             raise LaunchError(str(e)) from None
-        ranking = rank(
+
+    def placement_for(
+        self,
+        spec: JobSpec,
+        *,
+        exclude_regions: Sequence[str] = (),
+        now: datetime | None = None,
+        replacement: bool = False,
+    ) -> Placement:
+        """The first choice for ``spec`` by the same pure selection the reconciler's
+        SELECT step makes (``domain.remedy.select_placement``), with the history this
+        launcher was given; LaunchError naming why when nothing qualifies."""
+        from orchestrator.domain.remedy import select_placement
+
+        choice = select_placement(
             spec,
-            candidates,
+            self.candidates(spec, replacement=replacement),
             list(self.history()),
             now or _now(),
             exclude_regions=exclude_regions,
         )
-        if not ranking.ranked:
-            raise LaunchError(f"no placement for job {spec.name!r}: {ranking.why_empty()}")
-        return ranking.ranked[0].placement
+        if choice.placement is None:
+            raise LaunchError(f"no placement for job {spec.name!r}: {choice.reason}")
+        return choice.placement
 
     # --- the Launcher protocol ---------------------------------------------------
 
@@ -387,12 +398,36 @@ class SkyPilotLauncher:
                 )
             )
         except Exception as e:
-            raise LaunchError(
+            # ResourcesUnavailableError is SkyPilot's "no capacity or quota for any of
+            # the resources it was given": with the task pinned to one placement, that
+            # placement is out of stock and the job re-plans.
+            error = (
+                CapacityError
+                if type(e).__name__ in ("ResourcesUnavailableError", "InsufficientCapacityError")
+                else LaunchError
+            )
+            raise error(
                 f"SkyPilot could not launch {name} on {request.placement.cloud}/"
                 f"{request.placement.region} {request.placement.instance_type}: "
                 f"{_first_line(e)}"
             ) from None
         return LaunchHandle(name, self.name, self._node_ids(request))
+
+    def restart(self, previous: LaunchHandle, request: LaunchRequest) -> LaunchHandle:
+        """Run the new attempt's task on the cluster that is already up (``sky.exec``:
+        no provisioning, no setup); the nodes are the same, the attempt is new."""
+        sky = self.sdk
+        sky_task = self.build(request, request.task)
+        try:
+            sky.get(sky.exec(sky_task, cluster_name=previous.cluster_name))
+        except Exception as e:
+            raise LaunchError(
+                f"SkyPilot could not restart on {previous.cluster_name}: {_first_line(e)}"
+            ) from None
+        return LaunchHandle(previous.cluster_name, self.name, self._node_ids(request))
+
+    def node_disk(self, job_id: str, attempt: int, index: int) -> Path:
+        raise LaunchError("SkyPilot nodes stage their checkpoint themselves: no node disk here")
 
     @staticmethod
     def _node_ids(request: LaunchRequest) -> tuple[str, ...]:

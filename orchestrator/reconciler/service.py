@@ -22,6 +22,8 @@ def make_launcher(settings: Settings, token: str):  # type: ignore[no-untyped-de
             provider=settings.local_provider,
             gpu_memory_gib=settings.local_gpu_memory_gib,
             replacement_gpu_memory_gib=settings.local_replacement_gpu_memory_gib,
+            regions=tuple(settings.local_regions.split(",")),
+            hosts_per_region=settings.local_hosts_per_region,
         )
     from orchestrator.launchers.skypilot import SkyPilotLauncher
 

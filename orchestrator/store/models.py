@@ -197,3 +197,5 @@ class ProtocolStep(Base):
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     outcome: Mapped[str | None] = mapped_column(String(16))  # ok | failed | skipped
     detail: Mapped[str | None] = mapped_column(Text)
+    result: Mapped[dict | None] = mapped_column(JSON)
+    """What the step decided, for the steps after it (confirmed checkpoint, placement)."""

@@ -16,9 +16,10 @@ from testkit import FakeLauncher
 from orchestrator.contract import COMMIT_NAME, MANIFEST_NAME, Manifest, ManifestFile, commit_marker
 from orchestrator.domain.protocol import ORDER
 from orchestrator.domain.spec import validate_job_spec
-from orchestrator.reconciler.loop import Reconciler, incidents
+from orchestrator.reconciler.loop import Reconciler
 from orchestrator.store import agents, db, repo
 from orchestrator.store.goodput import job_goodput
+from orchestrator.store.incidents import incidents
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 

@@ -7,10 +7,14 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from orchestrator.contract import CommandType
 from orchestrator.domain import reconcile as rc
 from orchestrator.domain.failures import FailureClass as F
+from orchestrator.domain.plan import Placement
+from orchestrator.domain.planner import Candidate
 from orchestrator.domain.protocol import ProtocolStep as P
 from orchestrator.domain.protocol import StepOutcome as O
+from orchestrator.domain.spec import validate_job_spec
 from orchestrator.domain.status import JobStatus as S
 
 NOW = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC)
@@ -35,8 +39,12 @@ def node(k: int, *, attempt: int = 1, steps=(50, 50), resumed=(0, 0), hb=1.0, **
     return rc.NodeView(**{**base, **kw})
 
 
-def attempt(number=1, *, validated=0, expected=None, nodes=None, started=120.0, state="running"):
+def attempt(
+    number=1, *, validated=0, expected=None, nodes=None, started=120.0, state="running", **kw
+):
     return rc.AttemptView(
+        placement=kw.pop("placement", R1),
+        **kw,
         number=number,
         state=state,
         started_at=ago(started),
@@ -50,16 +58,32 @@ def attempt(number=1, *, validated=0, expected=None, nodes=None, started=120.0, 
     )
 
 
+SPEC = validate_job_spec(
+    {
+        "name": "j",
+        "task": {"template": "local", "command": "python train.py"},
+        "num_nodes": 2,
+        "ranks_per_node": 2,
+        "checkpoint": {"uri": "file:///ckpt"},
+        "restarts": {"heartbeat_timeout_s": 30.0, "grace_period_s": 60.0, "max_restarts": 3},
+    }
+)
+CANDIDATES = (
+    Candidate("fake", "r1", "cpu", None, 0, None, 1.0, 0.5),
+    Candidate("fake", "r2", "cpu", None, 0, None, 2.0, 1.5),
+)
+R1 = Placement("fake", "r1", "cpu", None, 0, 2, True, price_per_node_hour=0.5)
+
+
 def snap(**kw) -> rc.JobSnapshot:
     base = dict(
         job_id="j",
         status=S.RUNNING,
         now=NOW,
-        num_nodes=2,
-        ranks_per_node=2,
-        heartbeat_timeout_s=30.0,
-        grace_s=60.0,
+        spec=SPEC,
         attempt=attempt(),
+        candidates=CANDIDATES,
+        abilities=rc.LauncherAbilities(stages_node_disk=True, restarts_in_place=True),
     )
     return rc.JobSnapshot(**{**base, **kw})
 
@@ -76,11 +100,17 @@ def done(*names: P, at: float = 5.0) -> dict:
     return {p: rc.StepView(ago(at), ago(at - 1), O.OK) for p in names}
 
 
-def test_a_new_job_is_launched_as_attempt_one():
-    assert rc.decide(snap(status=S.PENDING, attempt=None)) == [
-        rc.SetStatus(S.PROVISIONING, "launching attempt 1"),
-        rc.Launch(1),
-    ]
+def test_a_new_job_is_recorded_as_attempt_one_on_the_cheapest_placement():
+    out = rc.decide(snap(status=S.PENDING, attempt=None))
+    assert out[0] == rc.SetStatus(S.PROVISIONING, "launching attempt 1")
+    rec = out[1]
+    assert isinstance(rec, rc.RecordAttempt) and rec.number == 1 and rec.placement.region == "r1"
+    assert (rec.resume_step, rec.resume_from) == (None, "latest")
+
+
+def test_a_recorded_attempt_is_started_on_the_next_tick():
+    a = attempt(validated=None, launched=False, state="launching", nodes=())
+    assert rc.decide(snap(status=S.PROVISIONING, attempt=a)) == [rc.StartNodes(1, None)]
 
 
 def test_every_rank_reporting_the_same_resume_step_makes_the_job_running():
@@ -169,10 +199,19 @@ def test_signal_asks_for_a_save_after_a_notice_and_for_a_stop_after_a_loss():
     out = rc.decide(snap(status=S.RECOVERING, incident=incident(done(P.DETECT))))
     assert out == [
         rc.StartStep(99, P.SIGNAL),
-        rc.SendCommand(1, "checkpoint_and_stop", {"reason": "preemption_notice", "grace_s": 60.0}),
+        rc.SendCommand(
+            1, CommandType.CHECKPOINT_AND_STOP, {"reason": "preemption_notice", "grace_s": 60.0}
+        ),
     ]
     out = rc.decide(snap(status=S.RECOVERING, incident=incident(done(P.DETECT), F.NODE_LOST)))
-    assert out[1] == rc.SendCommand(1, "stop", {"reason": "node_lost"})
+    assert out[1] == rc.SendCommand(1, CommandType.STOP, {"reason": "node_lost"})
+
+
+def test_a_hang_is_stopped_only_after_every_rank_s_stack_is_taken():
+    out = rc.decide(snap(status=S.RECOVERING, incident=incident(done(P.DETECT), F.NCCL_TIMEOUT)))
+    assert out[1] == rc.SendCommand(
+        1, CommandType.STOP, {"reason": "nccl_timeout", "capture_stacks": True}
+    )
 
 
 def test_signal_waits_for_every_node_then_finishes():
@@ -190,17 +229,63 @@ def test_signal_gives_up_waiting_after_the_grace_period_and_names_who_was_left()
     assert out.outcome is O.OK and "j-a1-n0, j-a1-n1" in out.detail
 
 
-@pytest.mark.parametrize(
-    "finished, expected",
-    [
-        ((P.DETECT, P.SIGNAL), rc.RunStep(99, P.CONFIRM_CHECKPOINT)),
-        ((P.DETECT, P.SIGNAL, P.CONFIRM_CHECKPOINT), rc.RunStep(99, P.SELECT_REPLACEMENT)),
-        (tuple(P)[:4], rc.RunStep(99, P.STAGE)),
-        (tuple(P)[:5], rc.Launch(2, incident_id=99)),
-    ],
-)
-def test_the_protocol_runs_its_steps_in_order(finished, expected):
-    assert rc.decide(snap(status=S.RECOVERING, incident=incident(done(*finished)))) == [expected]
+def test_confirm_takes_the_newest_complete_checkpoint_then_releases_the_nodes():
+    listing = rc.CheckpointListing("file:///ckpt", (30, 40))
+    inc = incident(done(P.DETECT, P.SIGNAL))
+    out = rc.decide(snap(status=S.RECOVERING, incident=inc, listing=listing))
+    assert out[0] == rc.StartStep(99, P.CONFIRM_CHECKPOINT)
+    assert out[1].result == {"step": 40, "uri": "file:///ckpt/step_40"}
+    assert out[2] == rc.Release(1, "incident 99", keep_nodes=False)
+
+
+def test_an_unreadable_checkpoint_store_is_never_read_as_no_checkpoint():
+    listing = rc.CheckpointListing("s3://b/ckpt", error="AccessDenied")
+    inc = incident(done(P.DETECT, P.SIGNAL))
+    out = rc.decide(snap(status=S.RECOVERING, incident=inc, listing=listing))
+    assert out[1].outcome is O.FAILED and "unreadable: AccessDenied" in out[1].detail
+    assert out[2].status is S.FAILED
+
+
+def _selected(inc_cls=F.PREEMPTION_NOTICE, **kw) -> list:
+    steps = {
+        **done(P.DETECT, P.SIGNAL),
+        P.CONFIRM_CHECKPOINT: rc.StepView(
+            ago(4), ago(3), O.OK, result={"step": 40, "uri": "file:///ckpt/step_40"}
+        ),
+    }
+    return rc.decide(snap(status=S.RECOVERING, incident=incident(steps, inc_cls), **kw))
+
+
+def test_select_records_the_placement_that_launch_will_start():
+    (start, fin) = _selected()
+    assert start == rc.StartStep(99, P.SELECT_REPLACEMENT)
+    placement = fin.result["placement"]
+    assert placement["region"] == "r2"  # r1 preempted us: avoided while r2 exists
+    assert fin.result["remedy"] == "replace_node_block_region" and not fin.result["in_place"]
+
+
+def test_the_restart_limit_is_decided_at_select():
+    (_, fin, status, _release) = _selected(restarts_done=3)
+    assert fin.outcome is O.FAILED and "restart limit reached (3 restarts)" in fin.detail
+    assert status.status is S.FAILED
+
+
+def test_stage_copies_onto_node_disks_and_launch_records_what_select_chose():
+    steps = {
+        **done(P.DETECT, P.SIGNAL),
+        P.CONFIRM_CHECKPOINT: rc.StepView(
+            ago(4), ago(3), O.OK, result={"step": 40, "uri": "file:///ckpt/step_40"}
+        ),
+        P.SELECT_REPLACEMENT: rc.StepView(
+            ago(3), ago(2), O.OK, result={"placement": R1.to_dict(), "in_place": False}
+        ),
+    }
+    out = rc.decide(snap(status=S.RECOVERING, incident=incident(steps)))
+    assert out == [rc.StartStep(99, P.STAGE), rc.StageCheckpoint(99, 2, 40, "file:///ckpt/step_40")]
+    steps[P.STAGE] = rc.StepView(ago(2), ago(1), O.OK)
+    (start, rec) = rc.decide(snap(status=S.RECOVERING, incident=incident(steps)))
+    assert start == rc.StartStep(99, P.LAUNCH)
+    assert rec == rc.RecordAttempt(2, 99, R1, 40, "{node_disk}/staged/step_40")
 
 
 def _validating(a2: rc.AttemptView, failures=()) -> rc.JobSnapshot:

@@ -22,8 +22,9 @@ from orchestrator.contract import (
 )
 from orchestrator.domain.protocol import ProtocolStep
 from orchestrator.domain.spec import validate_job_spec
-from orchestrator.reconciler.loop import Reconciler, incidents
+from orchestrator.reconciler.loop import Reconciler
 from orchestrator.store import agents, db, repo
+from orchestrator.store.incidents import incidents
 from orchestrator.store.models import Attempt, NodeCommand
 from orchestrator.store.models import ProtocolStep as StepRow
 
@@ -157,7 +158,7 @@ def test_a_preemption_runs_all_seven_steps_and_resumes_on_every_rank_at_the_save
     assert req.env[Env.EXPECTED_STEP] == "40"
     assert (req.env[Env.CHECKPOINT_EVERY], req.env[Env.CHECKPOINT_KEEP]) == ("10", "3")
     assert w.launcher.downed == [f"{w.job}-a1"]  # released only after the confirm step
-    assert w.launcher.excluded[-1] == ["r1"]  # the region that preempted us is avoided
+    assert req.placement.region == "r2"  # the region that preempted us (r1) is avoided
     with w.sm() as s:
         assert s.query(Attempt).filter_by(job_id=w.job, number=2).one().region == "r2"
     for k in range(2):
@@ -328,7 +329,7 @@ def test_a_replacement_with_less_gpu_memory_gets_replanned_knobs_and_the_same_gl
         with w.sm.begin() as s:
             job = repo.get_job(s, w.job)
             job.spec = {**job.spec, "model": model}
-        w.launcher.placement_for = local.placement_for  # type: ignore[method-assign]
+        w.launcher.candidates = local.candidates  # type: ignore[method-assign]
         start_running(w)
         first = w.launcher.launched[0].env
         assert first[Env.ACTIVATION_CHECKPOINT_EVERY] == "0"

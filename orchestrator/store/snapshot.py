@@ -1,0 +1,407 @@
+"""The reconciler's snapshot of one job, read from the store (and the launcher).
+
+``gather_snapshot`` builds the :class:`orchestrator.domain.reconcile.JobSnapshot`
+that ``decide`` reads: the newest attempt with its nodes and ranks, the attempt's
+failures, the open incident with what its steps decided, the job's earlier
+incidents, the placement history of every job, and, only while a step needs them,
+the checkpoint listing (CONFIRM) and the launcher's candidates (a placement to
+choose). Those two are I/O against the checkpoint store and the provider's
+catalog; a source that cannot be read is recorded as missing (an ``error``),
+never as empty.
+
+Read-only: nothing here writes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from orchestrator.contract import AttemptState, EventKind, NodeState
+from orchestrator.domain import reconcile as rc
+from orchestrator.domain.failures import FailureClass
+from orchestrator.domain.plan import Placement, TrainingKnobs
+from orchestrator.domain.planner import PLACEMENT_FAILURES, FailureRecord
+from orchestrator.domain.protocol import ProtocolStep, StepOutcome
+from orchestrator.domain.remedy import PastIncident
+from orchestrator.domain.spec import JobSpec
+from orchestrator.domain.status import JobStatus
+from orchestrator.launchers.base import Launcher, LaunchHandle
+from orchestrator.store import repo
+from orchestrator.store.models import Attempt, FailureEvent, Job, Node
+from orchestrator.store.models import ProtocolStep as StepRow
+
+log = logging.getLogger(__name__)
+
+#: How far back the placement history reaches (the planner's weights decay long before).
+HISTORY_WINDOW = timedelta(days=7)
+
+
+def utc(dt: datetime | None) -> datetime | None:
+    """SQLite returns naive datetimes; everything here is UTC."""
+    if dt is None or dt.tzinfo is not None:
+        return dt
+    return dt.replace(tzinfo=UTC)
+
+
+@dataclass
+class Rows:
+    """The rows the snapshot was built from, for the executors that write back."""
+
+    job: Job
+    spec: JobSpec
+    attempt: Attempt | None
+
+
+def handle_of(a: Attempt) -> LaunchHandle | None:
+    h = a.handle
+    if not h:
+        return None
+    return LaunchHandle(
+        h["cluster_name"],
+        h["launcher"],
+        tuple(h.get("node_ids", ())),
+        tuple(h.get("hosts", ())),
+    )
+
+
+def placement_of(a: Attempt) -> Placement:
+    """The placement an attempt was recorded with (launching must not re-plan it)."""
+    k = a.knobs or {}
+    knobs = (
+        TrainingKnobs(
+            k["micro_batch"], k.get("grad_accum", 1), k.get("activation_checkpoint_every", 0)
+        )
+        if "micro_batch" in k
+        else None
+    )
+    return Placement(
+        cloud=a.cloud,
+        region=a.region,
+        instance_type=a.instance_type,
+        accelerator=a.accelerator,
+        accelerator_count=int(k.get("accelerator_count", 0)),
+        num_nodes=a.num_nodes,
+        spot=a.spot,
+        zone=a.zone,
+        gpu_memory_gib=k.get("gpu_memory_gib"),
+        price_per_node_hour=a.price_per_node_hour,
+        knobs=knobs,
+    )
+
+
+def attempt_row(s: Session, job_id: str, number: int) -> Attempt | None:
+    return s.scalars(
+        select(Attempt).where(Attempt.job_id == job_id, Attempt.number == number)
+    ).first()
+
+
+def _cls(value: str | None) -> FailureClass:
+    try:
+        return FailureClass(value or "unknown")
+    except ValueError:
+        return FailureClass.UNKNOWN
+
+
+def gather_snapshot(
+    s: Session, job_id: str, now: datetime, launcher: Launcher
+) -> tuple[rc.JobSnapshot, Rows]:
+    job = repo.get_job(s, job_id)
+    spec = JobSpec.model_validate(job.spec)
+    attempt = s.scalars(
+        select(Attempt).where(Attempt.job_id == job_id).order_by(Attempt.number.desc())
+    ).first()
+    rows = Rows(job=job, spec=spec, attempt=attempt)
+    view = None
+    failures: tuple[rc.Failure, ...] = ()
+    if attempt is not None:
+        view = _attempt_view(s, job_id, attempt, now, launcher)
+        failures = tuple(_failures(s, job_id, attempt.number))
+    incident, past = _incidents(s, job_id)
+    status = JobStatus(job.status)
+    listing = None
+    candidates: tuple[Any, ...] | None = None
+    candidates_error = None
+    if not status.is_terminal():
+        nxt = _next_step(incident) if incident is not None else None
+        if nxt is ProtocolStep.CONFIRM_CHECKPOINT:
+            listing = _listing(spec.checkpoint.uri)
+        needs_placement = (
+            attempt is None
+            or nxt is ProtocolStep.SELECT_REPLACEMENT
+            or (view is not None and not view.launched and view.launch_failures)
+        )
+        if needs_placement:
+            try:
+                candidates = tuple(launcher.candidates(spec, replacement=attempt is not None))
+            except Exception as e:  # an unreadable catalog is missing, not "no candidates"
+                candidates_error = str(e) or type(e).__name__
+    snap = rc.JobSnapshot(
+        job_id=job_id,
+        status=status,
+        now=now,
+        spec=spec,
+        attempt=view,
+        failures=failures,
+        incident=incident,
+        past_incidents=past,
+        listing=listing,
+        candidates=candidates,
+        candidates_error=candidates_error,
+        history=tuple(placement_history(s, now)),
+        excluded_hosts=_excluded_hosts(s, job_id),
+        abilities=launcher.abilities,
+        restarts_done=job.restart_count,
+    )
+    return snap, rows
+
+
+def _next_step(inc: rc.IncidentView) -> ProtocolStep | None:
+    from orchestrator.domain.protocol import ORDER
+
+    return next(
+        (p for p in ORDER if inc.steps.get(p) is None or inc.steps[p].outcome is None), None
+    )
+
+
+def _listing(uri: str) -> rc.CheckpointListing:
+    from orchestrator.cloud.storage import StorageError, list_checkpoints
+
+    uri = uri.rstrip("/")
+    try:
+        found = list_checkpoints(uri)
+    except (StorageError, OSError) as e:
+        return rc.CheckpointListing(uri, error=str(e))
+    return rc.CheckpointListing(uri, tuple(c.step for c in found if c.complete))
+
+
+def _attempt_view(
+    s: Session, job_id: str, a: Attempt, now: datetime, launcher: Launcher
+) -> rc.AttemptView:
+    handle = handle_of(a)
+    nodes = s.scalars(select(Node).where(Node.job_id == job_id, Node.attempt == a.number))
+    exits = {
+        e.node_id: e
+        for e in s.scalars(
+            select(FailureEvent).where(
+                FailureEvent.job_id == job_id,
+                FailureEvent.kind == EventKind.NODE_EXIT,
+                FailureEvent.node_id.like(f"{job_id}-a{a.number}-%"),
+            )
+        )
+    }
+    alive_ids: set[str] | None = None
+    if handle is not None and a.state != AttemptState.ENDED:
+        try:
+            st = launcher.status(handle)
+            alive_ids = set(st.nodes_up) if st.state != "unknown" else None
+        except Exception:  # a launcher that cannot be read is not a dead cluster
+            log.exception("job %s: launcher status failed", job_id)
+    hosts = dict(zip(handle.node_ids, handle.hosts, strict=False)) if handle is not None else {}
+    views = []
+    for n in nodes:
+        prog = n.progress or {}
+        ranks = tuple(
+            rc.RankView(
+                rank=int(r.get("rank", -1)),
+                step=r.get("step"),
+                resumed_step=(r.get("resumed") or {}).get("step"),
+                resumed_digest=(r.get("resumed") or {}).get("manifest_digest"),
+                report_age_s=r.get("report_age_s"),
+            )
+            for r in prog.get("ranks", []) or []
+            if isinstance(r, dict)
+        )
+        ev = exits.get(n.node_id)
+        views.append(
+            rc.NodeView(
+                node_id=n.node_id,
+                node_rank=n.node_rank,
+                last_heartbeat_at=utc(n.last_heartbeat_at) or utc(n.registered_at),
+                alive=None if alive_ids is None else n.node_id in alive_ids,
+                exited=ev is not None or n.state == NodeState.EXITED,
+                exit_code=(ev.details or {}).get("exit_code") if ev is not None else None,
+                ranks=ranks,
+                host=hosts.get(n.node_id) or n.address,
+            )
+        )
+    registered = {v.node_id for v in views}
+    vanished = tuple(
+        n
+        for n in (handle.node_ids if handle is not None else ())
+        if alive_ids is not None and n not in alive_ids and n not in registered
+    )
+    failed_launches = tuple(
+        rc.LaunchFailure(
+            at=utc(e.occurred_at) or now,
+            cloud=str((e.details or {}).get("cloud", "")),
+            region=str((e.details or {}).get("region", "")),
+            instance_type=str((e.details or {}).get("instance_type", "")),
+            capacity=bool((e.details or {}).get("capacity")),
+            message=e.message or "",
+        )
+        for e in s.scalars(
+            select(FailureEvent)
+            .where(FailureEvent.job_id == job_id, FailureEvent.kind == EventKind.LAUNCH_FAILED)
+            .order_by(FailureEvent.id)
+        )
+        if (e.details or {}).get("attempt") == a.number
+    )
+    return rc.AttemptView(
+        vanished=vanished,
+        number=a.number,
+        state=a.state,
+        started_at=utc(a.started_at) or now,
+        num_nodes=a.num_nodes,
+        ranks_per_node=int((a.knobs or {}).get("ranks_per_node", 1)),
+        expected_step=a.resume_step,
+        validated_step=a.validated_step,
+        launched=handle is not None,
+        nodes=tuple(sorted(views, key=lambda v: v.node_rank)),
+        placement=placement_of(a),
+        launch_failures=failed_launches,
+        hosts=hosts,
+    )
+
+
+def _failures(s: Session, job_id: str, number: int) -> list[rc.Failure]:
+    rows = s.scalars(
+        select(FailureEvent)
+        .where(
+            FailureEvent.job_id == job_id,
+            FailureEvent.kind.in_(sorted(rc.FAILURE_KINDS)),
+        )
+        .order_by(FailureEvent.id)
+    )
+    out = []
+    for e in rows:
+        d = e.details or {}
+        of_attempt = d.get("attempt") == number or (
+            e.node_id is not None and e.node_id.startswith(f"{job_id}-a{number}-")
+        )
+        if not of_attempt:
+            continue
+        code = d.get("exit_code")
+        if e.kind == EventKind.RANK_EXIT and code in rc.CLEAN_EXITS and not d.get("signal"):
+            continue
+        cls = _cls(e.failure_class)
+        if e.kind == EventKind.HEALTH_CHECK and cls is not FailureClass.HEALTH_CHECK_FAILED:
+            continue  # checks that passed
+        if e.kind == EventKind.ANOMALY and e.failure_class is None:
+            continue
+        step = d.get("onset_step", d.get("step")) if e.kind == EventKind.ANOMALY else None
+        out.append(
+            rc.Failure(
+                event_id=e.id,
+                kind=e.kind,
+                failure_class=cls,
+                occurred_at=utc(e.occurred_at) or repo.utcnow(),
+                node_id=e.node_id,
+                rank=e.rank,
+                exit_code=code if isinstance(code, int) else None,
+                message=e.message or "",
+                signature=d.get("signature") if isinstance(d.get("signature"), str) else None,
+                step=step if isinstance(step, int) else None,
+            )
+        )
+    return out
+
+
+def _step_views(s: Session, incident_id: int) -> dict[ProtocolStep, rc.StepView]:
+    return {
+        ProtocolStep(r.step): rc.StepView(
+            started_at=utc(r.started_at) or repo.utcnow(),
+            finished_at=utc(r.finished_at),
+            outcome=StepOutcome(r.outcome) if r.outcome else None,
+            detail=r.detail or "",
+            result=dict(r.result or {}),
+        )
+        for r in s.scalars(select(StepRow).where(StepRow.incident_id == incident_id))
+    }
+
+
+def _incidents(s: Session, job_id: str) -> tuple[rc.IncidentView | None, tuple[PastIncident, ...]]:
+    """The open incident (VALIDATE not finished) and every earlier one."""
+    rows = list(
+        s.scalars(
+            select(FailureEvent)
+            .where(FailureEvent.job_id == job_id, FailureEvent.kind == EventKind.INCIDENT)
+            .order_by(FailureEvent.id)
+        )
+    )
+    past = []
+    open_view = None
+    for k, inc in enumerate(rows):
+        d = inc.details or {}
+        signature = d.get("signature") if isinstance(d.get("signature"), str) else None
+        onset = d.get("onset_step") if isinstance(d.get("onset_step"), int) else None
+        if k == len(rows) - 1:
+            steps = _step_views(s, inc.id)
+            validate = steps.get(ProtocolStep.VALIDATE)
+            if validate is None or validate.finished_at is None:
+                open_view = rc.IncidentView(
+                    event_id=inc.id,
+                    attempt=int(d.get("attempt", 0)),
+                    failure_class=_cls(inc.failure_class),
+                    steps=steps,
+                    node_id=inc.node_id,
+                    host=d.get("host") if isinstance(d.get("host"), str) else None,
+                    signature=signature,
+                    onset_step=onset,
+                )
+                continue
+        past.append(PastIncident(_cls(inc.failure_class), signature, onset))
+    return open_view, tuple(past)
+
+
+def _excluded_hosts(s: Session, job_id: str) -> frozenset[str]:
+    """Every host an earlier SELECT of this job excluded: a bad host stays bad."""
+    out: set[str] = set()
+    for r in s.scalars(
+        select(StepRow).where(
+            StepRow.job_id == job_id, StepRow.step == str(ProtocolStep.SELECT_REPLACEMENT)
+        )
+    ):
+        out.update(h for h in (r.result or {}).get("exclude_hosts", ()) if isinstance(h, str))
+    return frozenset(out)
+
+
+def placement_history(s: Session, now: datetime) -> list[FailureRecord]:
+    """Placement failures of every job in the window: incidents that took nodes away
+    (preemptions, lost nodes) at the failed attempt's placement, and launches the
+    provider refused for capacity. The planner weighs and cools regions with it, the
+    same for ``skyresume plan`` (through the API) and the live SELECT."""
+    since = now - HISTORY_WINDOW
+    out: list[FailureRecord] = []
+    attempts = {(a.job_id, a.number): a for a in s.scalars(select(Attempt))}
+    for e in s.scalars(
+        select(FailureEvent).where(
+            FailureEvent.kind.in_([EventKind.INCIDENT, EventKind.LAUNCH_FAILED]),
+            FailureEvent.occurred_at >= since,
+        )
+    ):
+        d = e.details or {}
+        at = utc(e.occurred_at) or now
+        if e.kind == EventKind.LAUNCH_FAILED:
+            if d.get("capacity"):
+                out.append(
+                    FailureRecord(
+                        str(d.get("cloud", "")),
+                        str(d.get("region", "")),
+                        str(d.get("instance_type", "")),
+                        at,
+                        str(FailureClass.CAPACITY_UNAVAILABLE),
+                    )
+                )
+            continue
+        if e.failure_class not in PLACEMENT_FAILURES:
+            continue
+        a = attempts.get((e.job_id, int(d.get("attempt", 0))))
+        if a is not None:
+            out.append(FailureRecord(a.cloud, a.region, a.instance_type, at, str(e.failure_class)))
+    return out

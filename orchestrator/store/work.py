@@ -1,0 +1,356 @@
+"""The reconciler's writes and the few reads it needs besides the snapshot.
+
+Each function takes a Session and commits nothing (the reconciler's tick owns the
+transaction), and each is idempotent: a step row is inserted once and finished once,
+an attempt is recorded once per number, an incident once per attempt. A service
+killed between two of them finds, on the next tick, exactly what was committed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from orchestrator.contract import AttemptState, CommandType, EventKind
+from orchestrator.domain import reconcile as rc
+from orchestrator.domain.plan import Placement
+from orchestrator.domain.protocol import ProtocolStep, StepOutcome
+from orchestrator.domain.spec import JobSpec
+from orchestrator.domain.status import TERMINAL
+from orchestrator.launchers.base import LaunchHandle
+from orchestrator.store import repo
+from orchestrator.store.goodput import rank_values
+from orchestrator.store.models import Attempt, FailureEvent, Job, Lease, Node, NodeCommand
+from orchestrator.store.models import ProtocolStep as StepRow
+from orchestrator.store.snapshot import attempt_row, utc
+
+LEASE_NAME = "reconciler"
+
+
+def acquire_lease(s: Session, holder: str, lease_s: float, now: datetime) -> bool:
+    """Take or renew the reconciler lease; False while another holder's is valid."""
+    until = now + timedelta(seconds=lease_s)
+    try:
+        with s.begin():
+            got = s.execute(
+                update(Lease)
+                .where(Lease.name == LEASE_NAME)
+                .where(or_(Lease.holder == holder, Lease.expires_at < now))
+                .values(holder=holder, expires_at=until)
+            ).rowcount
+            if got:
+                return True
+            if s.get(Lease, LEASE_NAME) is None:
+                s.add(Lease(name=LEASE_NAME, holder=holder, expires_at=until))
+                return True
+            return False
+    except IntegrityError:  # another replica inserted first
+        return False
+
+
+def jobs_to_reconcile(s: Session) -> list[str]:
+    """Jobs not terminal, and terminal ones whose nodes are not released yet."""
+    return list(
+        s.scalars(
+            select(Job.id).where(
+                or_(
+                    Job.status.not_in([str(t) for t in TERMINAL]),
+                    Job.id.in_(select(Attempt.job_id).where(Attempt.state != AttemptState.ENDED)),
+                )
+            )
+        )
+    )
+
+
+# --- protocol steps ------------------------------------------------------------------------
+
+
+def _step_row(s: Session, inc: int, step: ProtocolStep) -> StepRow | None:
+    return s.scalars(
+        select(StepRow).where(StepRow.incident_id == inc, StepRow.step == str(step))
+    ).first()
+
+
+def start_step(s: Session, job_id: str, inc: int, step: ProtocolStep, at: datetime) -> None:
+    if _step_row(s, inc, step) is None:
+        s.add(StepRow(job_id=job_id, incident_id=inc, step=str(step), started_at=at))
+        s.flush()
+
+
+def finish_step(
+    s: Session,
+    inc: int,
+    step: ProtocolStep,
+    outcome: StepOutcome,
+    detail: str,
+    now: datetime,
+    *,
+    result: dict[str, Any] | None = None,
+) -> None:
+    row = _step_row(s, inc, step)
+    if row is None:
+        job_id = s.get(FailureEvent, inc).job_id  # type: ignore[union-attr]
+        start_step(s, job_id, inc, step, now)
+        row = _step_row(s, inc, step)
+    assert row is not None
+    if row.finished_at is not None:
+        return
+    row.finished_at = now
+    row.outcome = str(outcome)
+    row.detail = detail[:2000]
+    row.result = result
+    s.flush()
+
+
+def open_incident(s: Session, job_id: str, action: rc.OpenIncident, now: datetime) -> int:
+    cause = action.cause
+    inc, _ = repo.record_event(
+        s,
+        job_id,
+        idempotency_key=f"incident-a{action.attempt}",
+        kind=EventKind.INCIDENT,
+        failure_class=str(cause.failure_class),
+        node_id=cause.node_id,
+        rank=cause.rank,
+        message=cause.message,
+        details={
+            "attempt": action.attempt,
+            "cause_event_id": cause.event_id,
+            "last_step": action.last_step,
+            "consequences": list(action.consequences),
+            "host": action.host,
+            "signature": cause.signature,
+            "onset_step": action.onset_step,
+        },
+        occurred_at=cause.occurred_at,
+        now=now,
+    )
+    start_step(s, job_id, inc.id, ProtocolStep.DETECT, cause.occurred_at)
+    finish_step(
+        s,
+        inc.id,
+        ProtocolStep.DETECT,
+        StepOutcome.OK,
+        f"{cause.failure_class} ({cause.kind}) on {cause.node_id or 'the attempt'}: "
+        f"{cause.message}"[:1000]
+        + (f" (+{len(action.consequences)} consequences)" if action.consequences else ""),
+        now,
+    )
+    a = attempt_row(s, job_id, action.attempt)
+    if a is not None and a.state != AttemptState.ENDED:
+        a.state = AttemptState.STOPPING
+    return inc.id
+
+
+def enqueue_command(
+    s: Session,
+    job_id: str,
+    attempt: int,
+    type_: CommandType,
+    args: dict[str, Any],
+    now: datetime,
+    node_id: str | None = None,
+) -> NodeCommand:
+    cmd = NodeCommand(
+        job_id=job_id, attempt=attempt, node_id=node_id, type=str(type_), args=args, created_at=now
+    )
+    s.add(cmd)
+    return cmd
+
+
+# --- attempts --------------------------------------------------------------------------------
+
+
+def record_attempt(
+    s: Session, job: Job, spec: JobSpec, action: rc.RecordAttempt, launcher: str, now: datetime
+) -> None:
+    if attempt_row(s, job.id, action.number) is not None:
+        return
+    p = action.placement
+    s.add(
+        Attempt(
+            job_id=job.id,
+            number=action.number,
+            cloud=p.cloud,
+            region=p.region,
+            zone=p.zone,
+            instance_type=p.instance_type,
+            accelerator=p.accelerator,
+            num_nodes=p.num_nodes,
+            spot=p.spot,
+            price_per_node_hour=p.price_per_node_hour,
+            knobs={
+                "ranks_per_node": spec.ranks_per_node,
+                "gpu_memory_gib": p.gpu_memory_gib,
+                "accelerator_count": p.accelerator_count,
+                "resume_from": action.resume_from,
+                "in_place": action.in_place,
+                "exclude_hosts": list(action.exclude_hosts),
+                "skip_steps": list(action.skip_steps) if action.skip_steps else None,
+                **(p.knobs.to_dict() if p.knobs else {}),
+            },
+            resume_step=action.resume_step,
+            started_at=now,
+            state=AttemptState.LAUNCHING,
+            launcher=launcher,
+            incident_id=action.incident_id,
+        )
+    )
+    s.flush()
+
+
+def replan_attempt(
+    s: Session, job_id: str, number: int, p: Placement, reason: str, now: datetime
+) -> None:
+    """A launch refused for capacity: the attempt (not yet started) moves to ``p``."""
+    a = attempt_row(s, job_id, number)
+    if a is None or a.handle:
+        return
+    a.cloud, a.region, a.zone, a.instance_type = p.cloud, p.region, p.zone, p.instance_type
+    a.accelerator, a.num_nodes, a.spot = p.accelerator, p.num_nodes, p.spot
+    a.price_per_node_hour = p.price_per_node_hour
+    a.knobs = {**(a.knobs or {}), "gpu_memory_gib": p.gpu_memory_gib}
+    a.started_at = now
+    repo.record_event(
+        s,
+        job_id,
+        idempotency_key=f"replan-a{number}-{p.cloud}-{p.region}-{p.instance_type}",
+        kind=EventKind.LAUNCH_FAILED,
+        message=f"attempt {number} re-planned: {reason}",
+        details={"attempt": number, "replanned": True, "cloud": p.cloud, "region": p.region,
+                 "instance_type": p.instance_type},
+        now=now,
+    )  # fmt: skip
+    s.flush()
+
+
+def record_launch_failure(
+    s: Session,
+    job_id: str,
+    number: int,
+    p: Placement,
+    message: str,
+    *,
+    capacity: bool,
+    now: datetime,
+) -> None:
+    tries = s.scalars(
+        select(FailureEvent).where(
+            FailureEvent.job_id == job_id, FailureEvent.kind == EventKind.LAUNCH_FAILED
+        )
+    ).all()
+    repo.record_event(
+        s,
+        job_id,
+        idempotency_key=f"launch-failed-a{number}-{len(tries)}",
+        kind=EventKind.LAUNCH_FAILED,
+        failure_class="capacity_unavailable" if capacity else "unknown",
+        message=message[:2000],
+        details={
+            "attempt": number,
+            "cloud": p.cloud,
+            "region": p.region,
+            "instance_type": p.instance_type,
+            "capacity": capacity,
+        },
+        now=now,
+    )
+
+
+def attempt_started(s: Session, job: Job, a: Attempt, handle: LaunchHandle, number: int) -> None:
+    a.handle = {
+        "cluster_name": handle.cluster_name,
+        "launcher": handle.launcher,
+        "node_ids": list(handle.node_ids),
+        "hosts": list(handle.hosts),
+    }
+    if a.state == AttemptState.LAUNCHING:
+        a.state = AttemptState.RUNNING
+    a.cluster_name = handle.cluster_name
+    if a.incident_id is not None:
+        job.restart_count += 1
+    s.flush()
+
+
+def end_attempt(a: Attempt, reason: str, now: datetime) -> None:
+    a.state = AttemptState.ENDED
+    a.ended_at = now
+    a.end_reason = reason[:2000]
+
+
+def mark_validated(s: Session, job_id: str, number: int, step: int) -> None:
+    a = attempt_row(s, job_id, number)
+    if a is not None:
+        a.validated_step = step
+        if a.state in (AttemptState.LAUNCHING, AttemptState.RUNNING):
+            a.state = AttemptState.RUNNING
+
+
+# --- the interval advisor's inputs -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class IntervalFacts:
+    step_times: list[float]
+    saves: list[float]
+    current_every: int
+    exposures: list[Any]
+    restart_seconds: float
+
+
+def interval_facts(
+    s: Session, job_id: str, number: int, default_every: int, now: datetime
+) -> IntervalFacts:
+    from orchestrator.domain.advisor import Exposure, PlacementKey
+    from orchestrator.store.incidents import incidents
+
+    step_times = [
+        v
+        for n in s.scalars(select(Node).where(Node.job_id == job_id, Node.attempt == number))
+        for v in rank_values(n.progress, "step_time")
+    ]
+    saves = [
+        e.details["blocking_s"]
+        for e in s.scalars(
+            select(FailureEvent)
+            .where(FailureEvent.job_id == job_id, FailureEvent.kind == EventKind.CHECKPOINT)
+            .order_by(FailureEvent.id.desc())
+            .limit(5)
+        )
+        if isinstance((e.details or {}).get("blocking_s"), int | float)
+    ]
+    latest = s.scalars(
+        select(FailureEvent)
+        .where(FailureEvent.job_id == job_id, FailureEvent.kind == EventKind.CHECKPOINT_INTERVAL)
+        .order_by(FailureEvent.id.desc())
+    ).first()
+    current = int(latest.details["every_steps"]) if latest is not None else default_every
+    mttrs = [i["mttr_s"] for i in incidents(s, job_id) if i["mttr_s"]]
+    hours: dict[Any, float] = {}
+    fails: dict[Any, int] = {}
+    keys: dict[tuple[str, int], Any] = {}
+    for a in s.scalars(select(Attempt)):
+        k = PlacementKey(a.cloud, a.region, a.instance_type)
+        keys[(a.job_id, a.number)] = k
+        end = utc(a.ended_at) or now
+        per_node = int((a.knobs or {}).get("ranks_per_node", 1))
+        span = max(0.0, (end - (utc(a.started_at) or now)).total_seconds())
+        hours[k] = hours.get(k, 0.0) + span / 3600 * a.num_nodes * per_node
+    for e in s.scalars(select(FailureEvent).where(FailureEvent.kind == EventKind.INCIDENT)):
+        k = keys.get((e.job_id, int((e.details or {}).get("attempt", 0))))
+        if k is not None:
+            fails[k] = fails.get(k, 0) + 1
+    import statistics
+
+    return IntervalFacts(
+        step_times=step_times,
+        saves=saves,
+        current_every=current,
+        exposures=[Exposure(k, h, fails.get(k, 0)) for k, h in hours.items()],
+        restart_seconds=statistics.median(mttrs) if mttrs else 600.0,
+    )
