@@ -170,6 +170,25 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"Expected to have finished reduction in the prior iteration",
         r"Expected to mark a variable ready only once",
         r"Attempting to deserialize object on a CUDA device",
+        r"Calculated output size: .* Output size is too small",
+        r"Expected \d+-dimensional input for \d+-dimensional weight",
+        r"must have \d+ dimensions?, (but )?got \d+",
+        r"The expanded size of the tensor",
+        r"view size is not compatible with input tensor's size and stride",
+        r"CUDA error: invalid device ordinal",
+        r"(are|is) not (at|on) the (same|expected) device",
+        r"to have (one of the following )?scalar types?",
+        r"Tensors must have same number of dimensions",
+        r"number of dims don't match",
+        r"target tensor expected|multi-target not supported",
+        r"returned an invalid gradient",
+        r"Trying to resize storage that is not resizable",
+        r"each element in list of batch should be of equal size",
+        r"a leaf Variable that requires grad is being used in an in-place operation",
+        r"parameters that were not used in producing the loss|find_unused_parameters=True",
+        r"must have the same dtype",
+        r"not implemented for '\w+'",
+        r"Placeholder storage has not been allocated on MPS device",
     )
     # Lines every run prints, failing or not: they speak for no class, and are not
     # left to weaker rules (torchrun SIGTERMs a failed rank's peers itself).
@@ -318,6 +337,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         # nccl-tests' correctness check and torch.testing's report of wrong values.
         r"Out of bounds values\s*:\s*[1-9]\d*",
         r"Mismatched elements: [1-9]\d* /",
+        r"Tensor-likes are not (close|equal)",
         r"(results?|outputs?|values?) (are |is )?(wrong|incorrect|corrupted)",
         r"(?-i:\bWRONG\b)",
         r"Results (do not match|mismatch)",
@@ -360,8 +380,8 @@ _RULES: tuple[_Rule, ...] = tuple(
         _F.CHECKPOINT_IO,
         0.7,
         r"Error\(s\) in loading state_dict",
-        r"\[Errno 5\] Input/output error",
     )
+    + _r(_F.CHECKPOINT_IO, 0.8, r"\[Errno 5\] Input/output error")
     # torch's zip writer lost bytes on the way to the file (disk, RAM or a network FS).
     + _r(_F.CHECKPOINT_IO, 0.97, r"unexpected pos \d+ vs \d+")
     + _r(
@@ -687,7 +707,10 @@ def _jump(
     """
     base = mad = 0.0
     above: list[str] = []
-    for i in range(_MIN_PRIOR, len(points)):
+    # One prior point is trend enough for a 10x jump; anything less needs two.
+    for i in range(1, len(points)):
+        if i < _MIN_PRIOR and single is None:
+            continue
         if not above:
             prior = [v for v, _ in points[max(0, i - _SPIKE_WINDOW) : i]]
             base = _median(prior)
@@ -697,6 +720,8 @@ def _jump(
         if rise > max(_SPIKE_MADS * mad, relative * abs(base), 1e-9):
             if single is not None and rise > single * max(abs(base), mad, 1e-9):
                 return line
+            if i < _MIN_PRIOR:
+                continue
             above.append(line)
             if len(above) >= persist:
                 return above[0]
@@ -945,14 +970,29 @@ def classify_failure(
 # Prefixes launchers put before a rank's line: torchrun's "[rank3]: " (and
 # "[rank3]:[W... ProcessGroupNCCL.cpp:...]"-free forms), accelerate/Megatron's
 # "[default0]:", mpirun's "[1,0]<stderr>:". Python 3.11 exception groups indent with "| ".
-_RANK_PREFIX = re.compile(r"^(?:\s*(?:\[[\w ,.-]*\d+\](?:<std\w+>)?:|\|))*\s*")
+_RANK_PREFIX = re.compile(
+    r"^(?:\s*(?:\[[\w ,.-]*\d+\](?:<std\w+>)?:|\||\(\w+ pid=\d+(?:, ip=[\d.:a-f]+)?\)))*\s*"
+)
+# pdsh/DeepSpeed's "worker-3: " host prefix; tried only when the line does not parse as
+# it is, since "KeyError: ..." has the same shape.
+_HOST_PREFIX = re.compile(r"^[\w.-]+:\s+")
 # A Python exception line: a (dotted) class name ending the way Python's and libraries'
 # exception types do, then ": message" or the end of the line.
 _EXC_SIG_LINE = re.compile(
-    r"^((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit))(?::\s?(.*))?$"
+    r"^((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit))"
+    # Ray's "RayTaskError(KeyError): ...": the type in brackets is what was raised.
+    r"(?:\(((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)\))?(?::\s?(.*))?$"
 )
 # Launchers' own wrappers name no cause; the user's exception is above them.
-_SIG_WRAPPERS = frozenset({"ChildFailedError", "ProcessExitedException", "SignalException"})
+_SIG_WRAPPERS = frozenset(
+    {
+        "ChildFailedError",
+        "ProcessExitedException",
+        "ProcessRaisedException",
+        "SignalException",
+        "CalledProcessError",
+    }
+)
 _NORMALISE: tuple[tuple[re.Pattern[str], Any], ...] = (
     # Paths before numbers: "/data/x_3.bin" is one path, not a path and a number.
     (
@@ -978,10 +1018,13 @@ def _last_exception(lines: list[str]) -> tuple[str, str, str] | None:
     """(type name, message, raw line) of the last exception line, wrappers skipped."""
     for raw in reversed(lines):
         line = _RANK_PREFIX.sub("", raw, count=1).strip()
-        m = _EXC_SIG_LINE.match(line)
-        if m is None or m.group(1).rsplit(".", 1)[-1] in _SIG_WRAPPERS:
+        m = _EXC_SIG_LINE.match(line) or _EXC_SIG_LINE.match(_HOST_PREFIX.sub("", line, count=1))
+        if m is None:
             continue
-        return m.group(1), (m.group(2) or "").strip(), raw
+        name = m.group(2) or m.group(1)
+        if name.rsplit(".", 1)[-1] in _SIG_WRAPPERS:
+            continue
+        return name, (m.group(3) or "").strip(), raw
     return None
 
 
