@@ -748,8 +748,12 @@ def _signal(
     return []
 
 
+#: Remedies that keep the hardware: nothing is wrong with the nodes themselves.
+SAME_HARDWARE = frozenset({_A.RESTART_IN_PLACE, _A.REPLAN_MEMORY})
+
+
 def _in_place(s: JobSnapshot, inc: IncidentView) -> bool:
-    return rm.remedy_for(inc.failure_class) is _A.RESTART_IN_PLACE and s.abilities.restarts_in_place
+    return rm.remedy_for(inc.failure_class) in SAME_HARDWARE and s.abilities.restarts_in_place
 
 
 def _confirm(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
@@ -821,7 +825,7 @@ def _select(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
         assert failed is not None
         placement = rm.same_placement(failed, knobs)
         where = f"restart in place on the same {failed.num_nodes} nodes"
-    elif action is _A.RESTART_IN_PLACE and failed is not None:
+    elif action in SAME_HARDWARE and failed is not None:
         placement = rm.same_placement(failed, knobs)
         where = f"same placement ({failed.cloud}/{failed.region}), new nodes"
     else:

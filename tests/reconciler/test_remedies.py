@@ -1,0 +1,313 @@
+"""Each failure class gets its own remedy: the decisions, on hand-built snapshots."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from test_decide import (
+    CANDIDATES,
+    R1,
+    SPEC,
+    ago,
+    attempt,
+    done,
+    failure,
+    node,
+    snap,
+)
+
+from orchestrator.domain import reconcile as rc
+from orchestrator.domain import remedy as rm
+from orchestrator.domain.failures import FailureClass as F
+from orchestrator.domain.plan import TrainingKnobs
+from orchestrator.domain.planner import FailureRecord
+from orchestrator.domain.protocol import ProtocolStep as P
+from orchestrator.domain.protocol import StepOutcome as O
+from orchestrator.domain.spec import validate_job_spec
+from orchestrator.domain.status import JobStatus as S
+
+MODEL = {
+    "parameters": 1_300_000_000,
+    "layers": 24,
+    "hidden_size": 2048,
+    "heads": 16,
+    "seq_len": 2048,
+    "global_batch": 64,
+    "micro_batch": 8,
+}
+SPEC_WITH_MODEL = validate_job_spec({**SPEC.model_dump(exclude_none=True), "model": MODEL})
+
+
+def incident(cls, steps, **kw) -> rc.IncidentView:
+    return rc.IncidentView(event_id=99, attempt=1, failure_class=cls, steps=steps, **kw)
+
+
+def confirmed(step=40, **more):
+    return {
+        **done(P.DETECT, P.SIGNAL),
+        P.CONFIRM_CHECKPOINT: rc.StepView(
+            ago(4), ago(3), O.OK, result={"step": step, "uri": f"file:///ckpt/step_{step}"}
+        ),
+        **more,
+    }
+
+
+def select(cls, **kw) -> rc.FinishStep | list:
+    inc_kw = {k: kw.pop(k) for k in ("host", "signature", "onset_step") if k in kw}
+    out = rc.decide(snap(status=S.RECOVERING, incident=incident(cls, confirmed(), **inc_kw), **kw))
+    return next(o for o in out if isinstance(o, rc.FinishStep))
+
+
+# --- CUDA OOM: re-plan the memory, the global batch unchanged ---------------------------------
+
+
+def test_an_oom_replans_to_a_smaller_setting_with_the_same_global_batch():
+    a = attempt(placement=replace(R1, knobs=TrainingKnobs(8, 2, 0)))
+    fin = select(F.CUDA_OOM, spec=SPEC_WITH_MODEL, attempt=a)
+    assert fin.outcome is O.OK and fin.result["remedy"] == "replan_memory"
+    k = fin.result["placement"]["knobs"]
+    assert k["micro_batch"] * k["grad_accum"] * 4 == 64  # 4 data-parallel ranks
+    assert (k["micro_batch"], k["activation_checkpoint_every"]) != (8, 0)
+    assert "global batch 64 kept" in fin.detail
+
+
+def test_a_second_oom_at_the_smallest_setting_fails_the_job_saying_so():
+    a = attempt(placement=replace(R1, knobs=TrainingKnobs(1, 16, 1)))
+    fin = select(F.CUDA_OOM, spec=SPEC_WITH_MODEL, attempt=a)
+    assert fin.outcome is O.FAILED and "at the smallest setting" in fin.detail
+
+
+def test_an_oom_without_a_model_profile_fails_naming_what_is_missing():
+    fin = select(F.CUDA_OOM)
+    assert fin.outcome is O.FAILED and "no model profile" in fin.detail
+
+
+def test_the_memory_planner_never_offers_a_larger_setting_after_an_oom():
+    from orchestrator.domain.memory import activation_bytes
+
+    profile = SPEC_WITH_MODEL.model
+    assert profile is not None
+    k = TrainingKnobs(8, 2, 0)
+    seen = []
+    while (k2 := rm.knobs_after_oom(SPEC_WITH_MODEL, k, 4).knobs) is not None:
+        assert activation_bytes(profile, k2.micro_batch, k2.activation_checkpoint_every) < (
+            activation_bytes(profile, k.micro_batch, k.activation_checkpoint_every)
+        )
+        seen.append(k2)
+        k = k2
+    assert seen and seen[-1].micro_batch == 1
+
+
+# --- NaN / loss spike: roll back to before the onset ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cls, complete, onset, expected",
+    [
+        (F.NAN_DIVERGENCE, (20, 40, 60), 47, 40),
+        (F.LOSS_SPIKE, (20, 40, 60), 40, 20),  # saved at the onset: already diverged
+        (F.LOSS_SPIKE, (50,), 47, None),  # nothing older: from step 0
+        (F.NODE_LOST, (20, 40, 60), 47, 60),  # not an anomaly: the newest
+    ],
+    ids=["nan-before-onset", "spike-at-onset", "nothing-older", "not-an-anomaly"],
+)
+def test_confirm_rolls_an_anomaly_back_to_the_newest_checkpoint_older_than_its_onset(
+    cls, complete, onset, expected
+):
+    listing = rc.CheckpointListing("file:///ckpt", complete)
+    inc = incident(cls, done(P.DETECT, P.SIGNAL), onset_step=onset)
+    out = rc.decide(snap(status=S.RECOVERING, incident=inc, listing=listing))
+    fin = next(o for o in out if isinstance(o, rc.FinishStep))
+    assert fin.result["step"] == expected
+
+
+def test_the_same_anomaly_at_the_same_step_twice_fails_the_job():
+    past = (rm.PastIncident(F.LOSS_SPIKE, onset_step=47),)
+    fin = select(F.LOSS_SPIKE, onset_step=47, past_incidents=past)
+    assert fin.outcome is O.FAILED and "loss_spike at step 47 2 times" in fin.detail
+    fin = select(F.LOSS_SPIKE, onset_step=48, past_incidents=past)
+    assert fin.outcome is O.OK
+
+
+def test_on_anomaly_fail_stops_at_the_first_anomaly():
+    spec = validate_job_spec(
+        {**SPEC.model_dump(exclude_none=True), "restarts": {"on_anomaly": "fail"}}
+    )
+    fin = select(F.NAN_DIVERGENCE, spec=spec, onset_step=30)
+    assert fin.outcome is O.FAILED and "on_anomaly: fail" in fin.detail
+
+
+def test_rollback_skip_relaunches_with_the_window_past_the_onset_skipped():
+    spec = validate_job_spec(
+        {
+            **SPEC.model_dump(exclude_none=True),
+            "restarts": {"on_anomaly": "rollback_skip", "skip_after_onset": 5},
+        }
+    )
+    steps = confirmed(
+        40,
+        **{
+            P.SELECT_REPLACEMENT: rc.StepView(
+                ago(3), ago(2), O.OK, result={"placement": R1.to_dict(), "in_place": False}
+            ),
+            P.STAGE: rc.StepView(ago(2), ago(1), O.OK),
+        },
+    )
+    inc = incident(F.LOSS_SPIKE, steps, onset_step=47)
+    out = rc.decide(snap(status=S.RECOVERING, spec=spec, incident=inc))
+    (rec,) = [o for o in out if isinstance(o, rc.RecordAttempt)]
+    assert rec.skip_steps == (41, 52) and rec.resume_step == 40
+
+
+# --- GPU hardware: never relaunch onto that host -----------------------------------------
+
+
+def test_a_hardware_fault_excludes_its_host_from_every_later_placement():
+    fin = select(F.GPU_HARDWARE, host="h1-1")
+    assert fin.result["exclude_hosts"] == ["h1-1"]
+    assert "host h1-1 excluded" in fin.detail
+    fin = select(F.NODE_LOST, excluded_hosts=frozenset({"h1-1"}))
+    assert fin.result["exclude_hosts"] == ["h1-1"]  # a bad host stays bad
+
+
+def test_a_preemption_does_not_blame_the_host():
+    assert select(F.PREEMPTION_NOTICE, host="h1-1").result["exclude_hosts"] == []
+
+
+# --- transport errors: same placement, no re-provisioning, with backoff -----------------------
+
+
+def test_a_transport_error_restarts_in_place_without_releasing_the_nodes():
+    listing = rc.CheckpointListing("file:///ckpt", (40,))
+    inc = incident(F.NCCL_TRANSPORT, done(P.DETECT, P.SIGNAL))
+    out = rc.decide(snap(status=S.RECOVERING, incident=inc, listing=listing))
+    assert rc.Release(1, "incident 99", keep_nodes=True) in out
+    fin = select(F.NCCL_TRANSPORT)
+    assert fin.result["in_place"] is True and fin.result["placement"]["region"] == "r1"
+
+
+def test_a_restart_in_place_waits_its_backoff_before_starting():
+    steps = confirmed(
+        40,
+        **{
+            P.SELECT_REPLACEMENT: rc.StepView(
+                ago(3), ago(2), O.OK, result={"placement": R1.to_dict(), "in_place": True}
+            ),
+            P.STAGE: rc.StepView(ago(2), ago(1), O.SKIPPED),
+            P.LAUNCH: rc.StepView(ago(1)),
+        },
+    )
+    a2 = attempt(2, validated=None, launched=False, state="launching", nodes=(), started=1)
+    inc = incident(F.NCCL_TRANSPORT, steps)
+    assert rc.decide(snap(status=S.RECOVERING, incident=inc, attempt=a2)) == []
+    wait = rm.backoff_s("j", 1)
+    later = replace(a2, started_at=ago(wait + 0.1))
+    assert rc.decide(snap(status=S.RECOVERING, incident=inc, attempt=later)) == [
+        rc.StartNodes(2, 99)
+    ]
+
+
+def test_backoff_doubles_is_capped_and_its_jitter_is_deterministic():
+    assert rm.backoff_s("j", 0) == 0
+    one, two = rm.backoff_s("j", 1), rm.backoff_s("j", 2)
+    assert 5 <= one < 7.5 and 10 <= two < 15
+    assert rm.backoff_s("j", 30) < 300 * 1.5
+    assert rm.backoff_s("j", 3) == rm.backoff_s("j", 3) != rm.backoff_s("k", 3)
+
+
+# --- capacity: cool the region for that type, re-plan, fail only when nothing is left ---------
+
+
+def _refused(region: str, tries: int = 1) -> rc.AttemptView:
+    fails = tuple(
+        rc.LaunchFailure(ago(60), "fake", region, "cpu", capacity=True, message="no capacity")
+        for _ in range(tries)
+    )
+    return attempt(
+        validated=None, launched=False, state="launching", nodes=(), launch_failures=fails
+    )
+
+
+def test_a_stockout_replans_into_another_region_after_the_backoff():
+    history = (FailureRecord("fake", "r1", "cpu", ago(60), "capacity_unavailable"),)
+    (out,) = rc.decide(snap(status=S.PROVISIONING, attempt=_refused("r1"), history=history))
+    assert isinstance(out, rc.Replan) and out.placement.region == "r2"
+    assert "r1 had no capacity for cpu" in out.reason
+
+
+def test_a_stockout_everywhere_fails_the_job_listing_what_was_tried():
+    history = tuple(
+        FailureRecord("fake", r, "cpu", ago(60), "capacity_unavailable") for r in ("r1", "r2")
+    )
+    out = rc.decide(snap(status=S.PROVISIONING, attempt=_refused("r1"), history=history))
+    assert out[0].status is S.FAILED
+    assert "no capacity anywhere: tried fake/r1/cpu" in out[0].reason
+    assert "r2" in out[0].reason
+
+
+def test_a_launch_refused_for_another_reason_fails_at_once():
+    fails = (rc.LaunchFailure(ago(1), "fake", "r1", "cpu", capacity=False, message="bad image"),)
+    a = attempt(validated=None, launched=False, state="launching", nodes=(), launch_failures=fails)
+    out = rc.decide(snap(status=S.PROVISIONING, attempt=a))
+    assert out[0].status is S.FAILED and "bad image" in out[0].reason
+
+
+def test_capacity_cools_only_that_instance_type_in_that_region():
+    from orchestrator.domain.planner import rank
+
+    cands = (*CANDIDATES, replace(CANDIDATES[0], instance_type="gpu"))
+    history = (FailureRecord("fake", "r1", "cpu", ago(60), "capacity_unavailable"),)
+    ranked = rank(SPEC, cands, history, ago(0)).ranked
+    assert {(r.placement.region, r.placement.instance_type) for r in ranked} == {
+        ("r2", "cpu"),
+        ("r1", "gpu"),
+    }
+
+
+# --- user code errors: fail fast on the second identical exception --------------------------
+
+
+def test_the_second_identical_user_error_fails_fast_a_different_one_retries():
+    sig = "KeyError: 'input_ids'"
+    past = (rm.PastIncident(F.USER_CODE_ERROR, signature=sig),)
+    fin = select(F.USER_CODE_ERROR, signature=sig, past_incidents=past)
+    assert fin.outcome is O.FAILED and "the same user code error 2 times: KeyError" in fin.detail
+    fin = select(F.USER_CODE_ERROR, signature="TypeError: <n> args", past_incidents=past)
+    assert fin.outcome is O.OK
+
+
+# --- slow nodes: replaced at the next checkpoint, its own class ------------------------------
+
+
+def test_one_straggler_report_is_noise_three_replace_the_node_after_a_save():
+    slow = [
+        rc.Failure(10 + k, "anomaly", F.SLOW_PEER, ago(3 - k), node_id="j-a1-n1", step=50 + k)
+        for k in range(3)
+    ]
+    assert rc.decide(snap(failures=tuple(slow[:2]))) == []
+    out = rc.decide(snap(failures=tuple(slow)))
+    assert isinstance(out[0], rc.OpenIncident) and out[0].cause.failure_class is F.SLOW_PEER
+    inc = incident(F.SLOW_PEER, done(P.DETECT))
+    out = rc.decide(snap(status=S.RECOVERING, incident=inc))
+    assert out[1].type == "checkpoint_and_stop"  # every node is alive: save first
+    assert select(F.SLOW_PEER, host="h1-1").result["exclude_hosts"] == ["h1-1"]
+
+
+# --- causes and consequences ----------------------------------------------------------------
+
+
+def test_the_survivors_crashes_after_a_lost_node_are_its_consequences():
+    survivor = failure(F.NODE_LOST, "rank_exit", "j-a1-n1", code=1, id_=5)
+    torn = failure(F.EXTERNAL_TERMINATION, "rank_exit", "j-a1-n1", id_=6)
+    lost = failure(F.NODE_LOST, "node_lost", "j-a1-n0", id_=8)
+    a = attempt(nodes=(node(0, alive=False), node(1)))
+    out = rc.decide(snap(attempt=a, failures=(survivor, torn, lost)))
+    assert out[0].cause == lost and out[0].consequences == (5, 6)
+
+
+def test_a_rank_s_oom_names_the_incident_over_its_peers_timeouts():
+    timeout = failure(F.NCCL_TIMEOUT, "rank_exit", "j-a1-n0", code=1, id_=4)
+    oom = failure(F.CUDA_OOM, "rank_exit", "j-a1-n1", code=1, id_=5)
+    out = rc.decide(snap(failures=(timeout, oom)))
+    assert out[0].cause == oom and out[0].consequences == (4,)
