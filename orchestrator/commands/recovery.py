@@ -2,7 +2,9 @@
 
 ``chaos`` injects real failures into a job on the local launcher through the service
 (the launcher lives there): a preemption notice on a node's metadata endpoint, a
-whole node killed, an agent killed alone, a rank frozen or slowed.
+whole node killed, an agent killed alone, a rank frozen or slowed, a region out of
+capacity; and, through the agents on any launcher, faults a rank injects into itself
+(NaN, loss spike, OOM, Xid, transport error, user error).
 """
 
 from enum import StrEnum
@@ -91,6 +93,34 @@ def chaos_slow_rank(
 def chaos_nan(job: JobArg, node: NodeOpt) -> None:
     """Make the node's ranks report a NaN loss (through the agent's control file)."""
     _chaos(job, {"action": "nan", "node": node})
+
+
+def _fault(action: str, doc: str):  # type: ignore[no-untyped-def]
+    def command(job: JobArg, node: NodeOpt, rank: RankOpt = None) -> None:
+        _chaos(job, {"action": action, "node": node, "rank": rank})
+
+    command.__doc__ = doc
+    chaos_app.command(action)(command)
+
+
+# Faults a rank injects into itself at its next step (through the agent, any launcher).
+_fault("spike", "Make the loss jump far above its trend for a while (a persistent spike).")
+_fault("oom", "Make a rank raise torch.OutOfMemoryError (CUDA's message) at its next step.")
+_fault("xid", "Make a rank write a real Xid line to its log and die as on a lost GPU.")
+_fault("transport", "Make a rank's collective fail with a real transport error.")
+_fault("user-error", "Make a rank raise KeyError from its own frame (a user bug).")
+
+
+@chaos_app.command("stockout")
+def chaos_stockout(
+    region: Annotated[str, typer.Argument(help="local region (SKYRESUME_LOCAL_REGIONS)")],
+    seconds: Annotated[float, typer.Option(min=0, help="how long; 0 lifts it")] = 600.0,
+) -> None:
+    """Make a local region refuse launches for lack of capacity, as a cloud does."""
+    from orchestrator.cli import _print_json
+
+    body = {"region": region, "seconds": seconds}
+    _print_json(_client().request("POST", "/v1/chaos/stockout", json=body))
 
 
 def incident_table(items: list[dict[str, Any]]):  # type: ignore[no-untyped-def]
