@@ -445,7 +445,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"rendezvous.*(timed out|failed)",
         r"DistStoreError",
         r"DistNetworkError",
-        r"EADDRINUSE|address already in use",
+        r"EADDRINUSE|address already in use|failed to bind|bind\(\) failed|Errno 98\b",
         r"Timed out initializing process group",
         r"Rende?z?vous version \d+ is incomplete",
         r"init_process_group.*(timed out|timeout)",
@@ -466,10 +466,14 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"straggler_gpus_(relative|individual).*rank=\d+",
         r"rank \d+ is (a )?(slow|straggler)",
         r"slow (rank|peer|node)s? (detected|found)",
-        r"(HW|SW) (Thermal )?Slowdown\s*:\s*Active",
+        r"(HW|SW)[ _]?(Thermal[ _]?|Power[ _]?)?Slowdown\s*:\s*Active",
         # Horovod's stall inspector: the collective waits on ranks that are late.
         r"waiting for remainder of ranks",
         r"\[missing ranks: \d",
+        r"Stalled ranks:",
+        # NCCL's RAS report: some ranks are behind the others in the same collective.
+        r"ranks have different \w+ operation counts",
+        r"ranks have launched up to operation",
     )
     + _r(
         _F.HEALTH_CHECK_FAILED,
@@ -517,6 +521,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"out of (host )?capacity|insufficient capacity",
         r"(MaxSpotInstanceCount|VcpuLimit|InstanceLimit)Exceeded",
         r"Quota ?Exceeded|exceeded (your |the )?quota|insufficient \w+ quota",
+        r"exceeding (the )?approved .*quota",
         r"resource pool exhausted|stockout|UnfulfillableCapacity",
         r"OverconstrainedAllocationRequest|OverconstrainedZonalAllocationRequest",
         r"currently unavailable in (the )?(zone|region|availability zone)",
@@ -527,7 +532,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         # torchrun itself got SIGTERM/SIGINT from outside (scheduler, user, node shutdown).
         r"Received (\d+|Signals\.SIG\w+) death signal",
         r"SignalException: Process \d+ got signal",
-        r"\*\*\* (JOB|STEP) \S+ (ON \S+ )?CANCELLED AT",
+        r"\*\*\* (JOB|STEP) \S+ (ON \S+ )?CANCELLED\b",
         r"DUE TO TIME LIMIT",
         r"srun: (Force Terminated|error: .*: tasks? [\d,-]+: Terminated)",
         r"(received|caught|got) (signal:? )?(SIGTERM|SIGINT|SIGHUP|15)\b",
@@ -548,11 +553,15 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"Signal (15|2|1) \(SIG(TERM|INT|HUP)\) received by PID",
         r"exit(ed)? (with )?(exit )?(code|status)[:=]?\s*143\b",
         r"Stopping container",
+        r"srun: Job step aborted",
+        # Kubernetes evicts pods under disk pressure or for a drain (memory: host OOM).
+        r"\bEvicted\b|low on resource: (ephemeral-storage|disk|pids)",
     )
     + _r(
         _F.NODE_LOST,
         0.8,
-        r"heartbeat (missed|lost|timed out)",
+        r"heartbeats? (missed|lost|timed out)",
+        r"\bnodes?\b.{0,40}\b(unreachable|is lost|was lost)\b",
         # gloo sees a peer's socket close when that peer's process or host dies.
         r"Connection closed by peer",
         r"failed to recv, got 0 bytes",
