@@ -9,13 +9,19 @@ The classifier weighs evidence in this order, strongest first:
 1. a cloud preemption notice (the root cause; NCCL timeouts on survivors follow it);
 2. an exit code from :class:`orchestrator.contract.ExitCode` (a rank said why it stopped);
 3. the agent's report (missed heartbeats, health checks, stragglers, launch errors);
-4. the tail of each rank's log, matched against real PyTorch / NCCL / CUDA / torchrun /
-   kernel text. When several classes match, the one with the highest confidence wins:
-   root causes (GPU hardware, OOM) are scored above their collateral symptoms (NCCL
-   watchdog timeouts on the *other* ranks), so a hung collective after an OOM is an OOM.
-5. the signal alone (a bare SIGKILL is most often the kernel OOM killer).
+4. the tail of each rank's log: rules written from the libraries' own messages
+   (PyTorch, NCCL, gloo, CUDA, torchrun, SLURM, Kubernetes, the clouds...), the last
+   Python exception (an ordinary error type is the user's bug), the innermost frame
+   (checkpoint code), and the numbers (a loss spike, a slow peer, a zeroed copy). When
+   several classes match, the one with the highest confidence wins: root causes (GPU
+   hardware, OOM) are scored above their collateral symptoms (NCCL watchdog timeouts on
+   the *other* ranks, torchrun's teardown), so a hung collective after an OOM is an OOM.
+5. the signal alone (a bare SIGKILL is most often the kernel OOM killer; a SIGTERM
+   without a notice is a stop from outside).
 
-Pure: no I/O. The caller reads logs and passes text in.
+Nothing recognisable is ``unknown`` (retried within limits), never ``user_code_error``.
+Measured on real excerpts by ``bench/classify.py`` (docs/failures.md). Pure: no I/O.
+The caller reads logs and passes text in.
 """
 
 from __future__ import annotations
