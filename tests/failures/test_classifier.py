@@ -1030,3 +1030,30 @@ def test_a_librarys_own_c_assert_is_unknown_not_a_user_error() -> None:
         "`mutex->__data.__owner == 0' failed.\nAborted (core dumped)"
     )
     assert classify_failure(134, None, log).failure_class is F.UNKNOWN
+
+
+@pytest.mark.parametrize(
+    ("line", "want"),
+    [
+        ("(RayWorkerWrapper pid=24271, ip=10.0.0.1) KeyError: 'pixel_values'", "KeyError"),
+        ("worker-3: ValueError: bad shard 7", "ValueError"),
+        ("[1,0]<stderr>:TypeError: unsupported operand", "TypeError"),
+        ("ray.exceptions.RayTaskError(AttributeError): ray::Trainer.step()", "AttributeError"),
+    ],
+    ids=["ray-actor", "pdsh-host", "mpirun", "ray-task-error"],
+)
+def test_launcher_prefixes_do_not_hide_the_exception(line: str, want: str) -> None:
+    sig = exception_signature(line)
+    assert sig is not None and sig.startswith(want)
+    assert classify_failure(1, None, line).failure_class is F.USER_CODE_ERROR
+
+
+def test_a_launchers_called_process_error_is_not_the_users_exception() -> None:
+    log = (
+        "IndexError: index 7 is out of bounds for dimension 0 with size 4\n"
+        "subprocess.CalledProcessError: Command '['python', '-u', 'train.py']' returned "
+        "non-zero exit status 1."
+    )
+    assert exception_signature(log) == (
+        "IndexError: index <n> is out of bounds for dimension <n> with size <n>"
+    )
