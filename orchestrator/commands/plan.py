@@ -93,7 +93,7 @@ def _load(path: Path) -> tuple[str, Any, Any]:
         spec = validate_job_spec(doc)
     except SpecError as e:
         _fail(f"{path}: {e}")
-    if spec.task.skypilot_yaml and not spec.accelerators:
+    if spec.task.skypilot_yaml and not spec.accelerator_names:
         # The job's accelerators live in its SkyPilot YAML (relative to the spec).
         yaml_path = Path(spec.task.skypilot_yaml)
         if not yaml_path.is_absolute():
@@ -164,7 +164,7 @@ def plan(
                 candidates = gather_for_task(demand, clouds=spec.clouds)
             else:
                 candidates = gather_candidates(
-                    spec.accelerators, clouds=spec.clouds, regions=spec.regions
+                    spec.accelerator_names, clouds=spec.clouds, regions=spec.regions
                 )
     except CatalogUnavailable as e:
         _fail(str(e), 1)

@@ -271,6 +271,7 @@ def rank(
     available_nodes: Mapping[tuple[str, str, str], int] | None = None,
     policy: PlannerPolicy | None = None,
     headroom: float = 0.1,
+    strict_preference: bool | None = None,
 ) -> Ranking:
     """Score every candidate; the :class:`Ranking` keeps the rejected ones and why.
 
@@ -369,8 +370,16 @@ def rank(
         nodes, memory = chosen
         ranked.append(_score(spec, c, nodes, memory, history, now, policy))
 
+    if strict_preference is None:
+        # SkyPilot's semantics: ``ordered:`` options (the job's own, or its task
+        # YAML's, which the catalog numbers) are a strict preference; a plain list
+        # or ``any_of:`` is ranked by cost, the order only breaking ties.
+        strict_preference = spec.accelerators_ordered or bool(
+            spec.task.skypilot_yaml and not spec.accelerator_names
+        )
     ranked.sort(
         key=lambda r: (
+            r.preference if strict_preference else 0,
             r.score,
             r.preference,
             r.placement.cloud,

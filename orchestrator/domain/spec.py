@@ -57,6 +57,27 @@ class TaskSpec(_Strict):
         return self
 
 
+class AcceleratorChoice(_Strict):
+    """SkyPilot's two forms of several accelerator options."""
+
+    ordered: list[str] | None = None
+    """Strict preference: the first option with capacity wins, whatever its price."""
+    any_of: list[str] | None = None
+    """A free choice: ranked by cost."""
+
+    @model_validator(mode="after")
+    def _one(self) -> AcceleratorChoice:
+        if (self.ordered is None) == (self.any_of is None):
+            raise ValueError("give exactly one of ordered or any_of")
+        if not self.names:
+            raise ValueError("needs at least one accelerator")
+        return self
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.ordered if self.ordered is not None else self.any_of or [])
+
+
 class ModelProfile(_Strict):
     """Enough of the model for the memory planner to estimate bytes per GPU."""
 
@@ -127,8 +148,10 @@ class JobSpec(_Strict):
     min_nodes: int | None = Field(default=None, ge=1)
     """Elastic runs may continue on fewer nodes, down to this. Default: num_nodes."""
     ranks_per_node: int = Field(default=1, ge=1, le=64)
-    accelerators: list[str] = Field(default_factory=list)
-    """Candidates in order of preference; empty for CPU-only runs."""
+    accelerators: list[str] | AcceleratorChoice = Field(default_factory=list)
+    """Candidates; empty for CPU-only runs. A plain list (or ``any_of: [...]``) is a
+    free choice ranked by cost, the list's order breaking ties; ``ordered: [...]`` is
+    a strict preference, as in SkyPilot's task YAML."""
     spot: bool = True
     clouds: list[Cloud] = Field(default_factory=list)
     regions: list[str] = Field(default_factory=list)
@@ -145,14 +168,28 @@ class JobSpec(_Strict):
 
     @field_validator("accelerators")
     @classmethod
-    def _accels(cls, v: list[str]) -> list[str]:
-        for a in v:
+    def _accels(cls, v: list[str] | AcceleratorChoice) -> list[str] | AcceleratorChoice:
+        for a in v if isinstance(v, list) else v.names:
             if not (_ACCEL_NAME.match(a) or _ACCEL_MEMORY.match(a)):
                 raise ValueError(
                     f"{a!r} is not an accelerator: use NAME[:COUNT] (A100:8) "
                     "or a memory form (nvidia:40GB+:8)"
                 )
         return v
+
+    @property
+    def accelerator_names(self) -> list[str]:
+        a = self.accelerators
+        return list(a) if isinstance(a, list) else a.names
+
+    @property
+    def accelerators_ordered(self) -> bool:
+        """SkyPilot's ``ordered:``: the first option with capacity wins, whatever its
+        price. A plain list or ``any_of:`` is a free choice ranked by cost."""
+        return (
+            isinstance(self.accelerators, AcceleratorChoice)
+            and self.accelerators.ordered is not None
+        )
 
     @model_validator(mode="after")
     def _nodes(self) -> JobSpec:

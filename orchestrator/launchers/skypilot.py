@@ -321,14 +321,14 @@ class SkyPilotLauncher:
         )
 
         try:
-            if spec.task.skypilot_yaml and not spec.accelerators:
+            if spec.task.skypilot_yaml and not spec.accelerator_names:
                 # The accelerators live in the user's YAML: plan its own options.
                 what = f"SkyPilot task {spec.task.skypilot_yaml}"
                 config = load_task_config(Path(spec.task.skypilot_yaml), what=what)
                 demand = demand_from_task(task_from_config(config, what=what))
                 return list(gather_for_task(demand, clouds=spec.clouds))
             return list(
-                gather_candidates(spec.accelerators, clouds=spec.clouds, regions=spec.regions)
+                gather_candidates(spec.accelerator_names, clouds=spec.clouds, regions=spec.regions)
             )
         except (CatalogUnavailable, UnknownAccelerator) as e:
             raise LaunchError(str(e)) from None

@@ -255,3 +255,42 @@ def test_policy_refuses_nonsense():
         PlannerPolicy(half_life=timedelta(0))
     with pytest.raises(ValueError, match="max_lost_fraction"):
         PlannerPolicy(max_lost_fraction=1.0)
+
+
+@pytest.mark.parametrize(
+    "accelerators, first",
+    [
+        ({"ordered": ["H100:8", "A100:8"]}, "p5.48xlarge"),  # strict: H100 though dearer
+        ({"any_of": ["H100:8", "A100:8"]}, "p4d.24xlarge"),  # free: the cheaper A100
+        (["H100:8", "A100:8"], "p4d.24xlarge"),  # a plain list is any_of
+    ],
+    ids=["ordered", "any_of", "plain-list"],
+)
+def test_ordered_accelerators_are_a_strict_preference_any_of_is_ranked_by_cost(
+    accelerators, first
+):
+    cands = [
+        cand("aws", "us-east-1", "p5.48xlarge", 30.0, acc="H100", mem=80.0, pref=0),
+        cand("aws", "us-east-1", "p4d.24xlarge", 10.0, pref=1),
+    ]
+    r = rank(spec(accelerators=accelerators), cands, [], NOW)
+    assert r.ranked[0].placement.instance_type == first
+
+
+def test_an_ordered_first_choice_without_capacity_falls_to_the_next():
+    cands = [
+        cand("aws", "us-east-1", "p5.48xlarge", 30.0, acc="H100", mem=80.0, pref=0),
+        cand("aws", "us-east-1", "p4d.24xlarge", 10.0, pref=1),
+    ]
+    stockout = [FailureRecord("aws", "us-east-1", "p5.48xlarge", NOW, "capacity_unavailable")]
+    s = spec(accelerators={"ordered": ["H100:8", "A100:8"]})
+    assert rank(s, cands, stockout, NOW).ranked[0].placement.instance_type == "p4d.24xlarge"
+
+
+def test_a_spec_s_accelerator_choice_needs_exactly_one_form():
+    from orchestrator.domain.spec import SpecError
+
+    with pytest.raises(SpecError, match="exactly one of ordered or any_of"):
+        spec(accelerators={"ordered": ["A100:8"], "any_of": ["H100:8"]})
+    with pytest.raises(SpecError, match="not an accelerator"):
+        spec(accelerators={"ordered": ["A100:x"]})
