@@ -34,6 +34,8 @@ class Superseded(Exception):
 class Answer:
     status: int
     body: Any
+    date: str | None = None
+    """The answer's ``Date`` header (the node's clock is checked against it)."""
 
 
 def backoff_delays(
@@ -83,7 +85,7 @@ class ServiceClient:
         )
         try:
             with self._opener.open(req, timeout=timeout) as r:
-                return Answer(r.status, _parse(r.read()))
+                return Answer(r.status, _parse(r.read()), r.headers.get("Date"))
         except urllib.error.HTTPError as e:
             try:
                 raw = e.read()

@@ -41,6 +41,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from orchestrator.agent import evidence as ev
+from orchestrator.agent import health as hc
 from orchestrator.agent import ranks as rk
 from orchestrator.agent.client import (
     Answer,
@@ -71,6 +73,8 @@ EXIT_OK = 0
 EXIT_SAVED = int(ExitCode.PREEMPTED_SAVED)
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+#: A pre-flight health check failed: torchrun was never started (sysexits EX_UNAVAILABLE).
+EXIT_HEALTH_CHECK_FAILED = 69
 
 
 class UsageError(ValueError):
@@ -102,6 +106,15 @@ class AgentConfig:
     notice_action: str = "sigterm"
     """``sigterm``: act on a notice locally, then report. ``report``: only report it and
     wait for the service's command (the service round trip; the fan-out bench's baseline)."""
+    health_checks: bool = True
+    """Check the node (health.py) before starting torchrun; a failure means no torchrun."""
+    expect_gpus: int = 0
+    """GPUs the placement declares per node; 0: ranks on CPU (the GPU check is skipped)."""
+    min_free_disk_gb: float = hc.DEFAULT_MIN_FREE_DISK_GB
+    max_clock_skew_s: float = hc.DEFAULT_MAX_CLOCK_SKEW_S
+    store_timeout_s: float = hc.DEFAULT_STORE_TIMEOUT_S
+    service_wait_s: float = 5.0
+    """How long the health checks wait for the service's first answer (the clock check)."""
 
     @property
     def world_size(self) -> int:
@@ -158,6 +171,33 @@ def parse_args(argv: list[str]) -> AgentConfig:
         help="on a notice: SIGTERM the ranks at once (default), or only report it and wait "
         "for the service's command (a baseline for bench/fanout.py)",
     )
+    env = os.environ
+    p.add_argument(
+        "--health-checks",
+        choices=["on", "off"],
+        default=env.get(hc.HEALTH_CHECKS_ENV, "on"),
+        help=f"check the node before starting torchrun (env ${hc.HEALTH_CHECKS_ENV})",
+    )
+    p.add_argument(
+        "--expect-gpus",
+        type=int,
+        default=int(hc.env_float(dict(env), hc.EXPECT_GPUS_ENV, 0)),
+        help="GPUs the placement declares per node; 0 = CPU ranks, no GPU check "
+        f"(env ${hc.EXPECT_GPUS_ENV})",
+    )
+    p.add_argument(
+        "--min-free-disk-gb",
+        type=float,
+        default=hc.env_float(dict(env), hc.MIN_FREE_DISK_GB_ENV, hc.DEFAULT_MIN_FREE_DISK_GB),
+        help="free space the checkpoint tier needs (the service's estimate; "
+        f"env ${hc.MIN_FREE_DISK_GB_ENV})",
+    )
+    p.add_argument(
+        "--max-clock-skew-s",
+        type=float,
+        default=hc.env_float(dict(env), hc.MAX_CLOCK_SKEW_S_ENV, hc.DEFAULT_MAX_CLOCK_SKEW_S),
+    )
+    p.add_argument("--store-timeout-s", type=float, default=hc.DEFAULT_STORE_TIMEOUT_S)
     a = p.parse_args(flags)
     if not command:
         raise UsageError("no command: put the rank command after --, e.g. -- python train.py")
@@ -171,7 +211,18 @@ def parse_args(argv: list[str]) -> AgentConfig:
         raise UsageError(f"--node-rank must be in 0..{a.nnodes - 1}, got {a.node_rank}")
     if not 1 <= a.master_port <= 65535:
         raise UsageError(f"--master-port must be in 1..65535, got {a.master_port}")
-    for name in ("grace_s", "heartbeat_s", "poll_s", "final_flush_s"):
+    if a.expect_gpus < 0:
+        raise UsageError(f"--expect-gpus must be >= 0, got {a.expect_gpus}")
+    if not (a.min_free_disk_gb >= 0 and math.isfinite(a.min_free_disk_gb)):
+        raise UsageError(f"--min-free-disk-gb must be >= 0, got {a.min_free_disk_gb!r}")
+    for name in (
+        "grace_s",
+        "heartbeat_s",
+        "poll_s",
+        "final_flush_s",
+        "max_clock_skew_s",
+        "store_timeout_s",
+    ):
         _positive("--" + name.replace("_", "-"), getattr(a, name))
     if a.service_url is not None and not a.service_url.startswith(("http://", "https://")):
         raise UsageError(
@@ -203,6 +254,11 @@ def parse_args(argv: list[str]) -> AgentConfig:
         launcher=a.launcher,
         final_flush_s=a.final_flush_s,
         notice_action=a.notice_action,
+        health_checks=a.health_checks == "on",
+        expect_gpus=a.expect_gpus,
+        min_free_disk_gb=a.min_free_disk_gb,
+        max_clock_skew_s=a.max_clock_skew_s,
+        store_timeout_s=a.store_timeout_s,
     )
 
 
@@ -242,7 +298,7 @@ def node_outcome(ranks: list[rk.Rank], stop_reason: str | None) -> tuple[int, st
 #: Datagram anomaly kinds -> report findings (failure classes).
 ANOMALY_FINDINGS = {
     "nan": "nan_divergence",
-    "spike": "nan_divergence",
+    "spike": "loss_spike",
     "straggler": "slow_peer",
     "silent_corruption": "silent_corruption",
 }
@@ -331,6 +387,8 @@ class Agent:
         self.outbox = _Outbox()
         self.superseded: str | None = None
         self.notice_at: float | None = None
+        self.service_date: hc.ServiceDate | None = None
+        self._fr_seen: set[str] = set()
 
     # --- stopping: the one place that signals ranks --------------------------------
 
@@ -487,7 +545,9 @@ class Agent:
                 {"rank": r.rank, "local_rank": r.local_rank, "pid": r.pid} for r in self.ranks
             ],
         }
+        sent = time.time()
         ans = self.client.register(body)
+        self.service_date = hc.ServiceDate(ans.date, sent, time.time())
         if ans.status == 404:
             self.on_superseded(f"the service does not know job {self.cfg.job_id}")
             return False
@@ -581,9 +641,15 @@ class Agent:
             grace = (
                 float(grace) if isinstance(grace, int | float) and grace > 0 else self.cfg.grace_s
             )
-            self.begin_stop(f"checkpoint_and_stop: {args.get('reason') or 'service'}", grace)
+            what = f"checkpoint_and_stop: {args.get('reason') or 'service'}"
+            if args.get("capture_stacks") is True:
+                self.capture_evidence(what, f"evidence:{cmd.get('seq')}")
+            self.begin_stop(what, grace)
         elif kind == CommandType.STOP:
-            self.begin_stop(f"stop: {args.get('reason') or 'service'}", STOP_GRACE_S)
+            what = f"stop: {args.get('reason') or 'service'}"
+            if args.get("capture_stacks") is True:
+                self.capture_evidence(what, f"evidence:{cmd.get('seq')}")
+            self.begin_stop(what, STOP_GRACE_S)
         elif kind == CommandType.SET_CHECKPOINT_EVERY:
             n = args.get("every_steps")
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -673,6 +739,96 @@ class Agent:
             detail=json_safe(notice.raw),
         )
 
+    # --- health checks and evidence (health.py, evidence.py) ---------------------------
+
+    def health_spec(self) -> hc.HealthSpec:
+        env = self.rank_env()
+        return hc.HealthSpec(
+            expect_gpus=self.cfg.expect_gpus,
+            checkpoint_dir=Path(env[Env.LOCAL_CHECKPOINT_DIR]),
+            min_free_disk_bytes=int(self.cfg.min_free_disk_gb * 2**30),
+            checkpoint_uri=env.get(Env.CHECKPOINT_URI) or None,
+            store_timeout_s=self.cfg.store_timeout_s,
+            max_clock_skew_s=self.cfg.max_clock_skew_s,
+        )
+
+    def check_health(self) -> bool:
+        """Run the node's checks before torchrun; report them (pass or fail). False:
+        a check failed, a ``node_exit`` is reported and torchrun must not start."""
+        if self.client is not None:
+            self._registered.wait(self.cfg.service_wait_s)  # the clock check needs a Date
+        results = hc.run_checks(
+            self.health_spec(), service=self.service_date, have_service=self.client is not None
+        )
+        bad = hc.failed(results)
+        text = hc.summary(results)
+        self.report("health_check", "health_check", checks=[r.to_json() for r in results])
+        if not bad:
+            log.info("health checks: %s", text)
+            return True
+        log.error("health check failed, torchrun not started: %s", text)
+        self.state = "exited"
+        self.report(
+            "node_exit",
+            "node_exit",
+            exit_code=EXIT_HEALTH_CHECK_FAILED,
+            reason=f"health check failed: {text}"[:1024],
+        )
+        return False
+
+    def capture_evidence(self, trigger: str, key: str) -> None:
+        """Every live local rank's stack and the node's Flight Recorder dumps, before
+        the ranks are signalled (bounded by ``evidence.CAPTURE_BUDGET_S``)."""
+        if self.cfg.launcher == "torchrun":
+            self._discover()  # a rank torchrun just started must not be missed
+        t0 = time.monotonic()
+        targets = [
+            ev.RankTarget(r.rank, r.local_rank, r.pid, r.log_paths[-1] if r.log_paths else None)
+            for r in list(self.ranks)
+            if not r.exited
+        ]
+        gone = [r for r in list(self.ranks) if r.exited]
+        stacks = ev.capture_stacks(targets)
+        for r in gone:
+            how = f"signal {r.signal}" if r.signal else f"exit code {r.exit_code}"
+            stacks.append(
+                {
+                    "rank": r.rank,
+                    "local_rank": r.local_rank,
+                    "pid": r.pid,
+                    "state": None,
+                    "error": f"the rank had exited ({how})",
+                }
+            )
+        fr = ev.collect_fr_dumps(self.rank_env().get(ev.FR_PREFIX_ENV), seen=self._fr_seen)
+        took = time.monotonic() - t0
+        findings = ev.summarize(stacks) + ev.fr_findings(fr)
+        log.warning("evidence (%.2f s): %s", took, " | ".join(findings) or "nothing")
+        self.report(
+            "evidence",
+            key,
+            trigger=trigger[:256],
+            ranks=sorted(stacks, key=lambda x: x["rank"]),
+            flight_recorder=json_safe(fr),
+            findings=findings,
+            took_s=round(took, 3),
+        )
+
+    def _report_flight_recorder(self) -> None:
+        """Flight Recorder dumps written since the last capture (NCCL writes them on a
+        collective timeout, and the rank then dies): reported once, at the end."""
+        fr = ev.collect_fr_dumps(self.rank_env().get(ev.FR_PREFIX_ENV), seen=self._fr_seen)
+        if fr:
+            self.report(
+                "evidence",
+                "evidence:node_exit",
+                trigger="node exit",
+                ranks=[],
+                flight_recorder=json_safe(fr),
+                findings=ev.fr_findings(fr),
+                took_s=0.0,
+            )
+
     # --- ranks -------------------------------------------------------------------------
 
     def rank_env(self) -> dict[str, str]:
@@ -682,6 +838,10 @@ class Agent:
         env[Env.PROGRESS_ADDR] = self.listener.addr
         env[Env.CONTROL_FILE] = str(self.cfg.control_file)
         env.setdefault(Env.LOCAL_CHECKPOINT_DIR, str(self.cfg.local_dir / "checkpoints"))
+        # NCCL's Flight Recorder dumps land on the node's disk, where the evidence
+        # capture looks for them (NCCL's default is /tmp/nccl_trace_rank_).
+        env.setdefault(ev.FR_PREFIX_ENV, str(self.cfg.local_dir / "nccl_trace" / "rank_"))
+        Path(env[ev.FR_PREFIX_ENV]).parent.mkdir(parents=True, exist_ok=True)
         env.setdefault(Env.JOB_ID, self.cfg.job_id)
         env.setdefault(Env.ATTEMPT, str(self.cfg.attempt))
         if self.cfg.service_url:
@@ -864,6 +1024,9 @@ class Agent:
         self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
         self.listener.start()
         self._start_threads()  # metadata polling starts before the ranks: from boot
+        if self.cfg.health_checks and not self.check_health():
+            self._finish()
+            return EXIT_HEALTH_CHECK_FAILED
         try:
             self.start_ranks()
         except OSError as e:
@@ -878,6 +1041,7 @@ class Agent:
         for r in self.ranks:
             self._report_rank_exit(r)
         code, reason = node_outcome(self.ranks, self._stop_reason)
+        self._report_flight_recorder()
         last = self.board.last_checkpoint()
         self.state = "exited"
         self.report(

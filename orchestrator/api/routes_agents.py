@@ -238,8 +238,59 @@ class NodeExitReport(_Report):
     saved_step: int | None = None
 
 
+class RankEvidence(_Body):
+    """One rank's stack and state, taken before the kill (orchestrator/agent/evidence.py)."""
+
+    rank: int = Field(ge=0)
+    local_rank: int | None = Field(default=None, ge=0)
+    pid: int | None = Field(default=None, ge=1)
+    state: str | None = Field(default=None, max_length=4)
+    """``/proc`` state letter (``T``: stopped); None: the rank had exited."""
+    wchan: str | None = Field(default=None, max_length=128)
+    tool: str | None = Field(default=None, max_length=32)
+    stack: str = Field(default="", max_length=agents.EVIDENCE_STACK_CAP)
+    truncated: bool = False
+    error: str | None = Field(default=None, max_length=1024)
+    op: str | None = Field(default=None, max_length=128)
+    """The collective the main thread waits in (``all_reduce``...), or ``backward``."""
+    where: str | None = Field(default=None, max_length=1024)
+    called_from: str | None = Field(default=None, max_length=1024)
+    """The user's frame that led to ``op``."""
+    took_s: _Float | None = None
+
+
+class EvidenceReport(_Report):
+    kind: Literal["evidence"]
+    trigger: str = Field(max_length=256)
+    ranks: list[RankEvidence] = Field(default_factory=list, max_length=agents.EVIDENCE_MAX_RANKS)
+    flight_recorder: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
+    findings: list[Annotated[str, Field(max_length=1024)]] = Field(
+        default_factory=list, max_length=512
+    )
+    took_s: _Float | None = None
+
+
+class HealthCheckResult(_Body):
+    name: str = Field(min_length=1, max_length=64)
+    status: Literal["pass", "fail", "skip", "unknown"]
+    detail: str = Field(default="", max_length=1024)
+    took_s: _Float | None = None
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class HealthCheckReport(_Report):
+    kind: Literal["health_check"]
+    checks: list[HealthCheckResult] = Field(min_length=1, max_length=64)
+
+
 Report = Annotated[
-    PreemptionNoticeReport | RankExitReport | AnomalyReport | CheckpointReport | NodeExitReport,
+    PreemptionNoticeReport
+    | RankExitReport
+    | AnomalyReport
+    | CheckpointReport
+    | NodeExitReport
+    | EvidenceReport
+    | HealthCheckReport,
     Field(discriminator="kind"),
 ]
 

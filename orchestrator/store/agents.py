@@ -27,7 +27,12 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from orchestrator.contract import AttemptState, CommandType, ExitCode, NodeState, ReportKind
-from orchestrator.domain.failures import Classification, FailureClass, classify_failure
+from orchestrator.domain.failures import (
+    Classification,
+    FailureClass,
+    classify_failure,
+    exception_signature,
+)
 from orchestrator.domain.status import JobStatus
 from orchestrator.store import repo
 from orchestrator.store.models import Attempt, Checkpoint, FailureEvent, Node, NodeCommand
@@ -41,6 +46,12 @@ REPORT_KINDS = frozenset(ReportKind)
 NODE_STATES = frozenset(NodeState)
 #: Exit codes that are not failures: done, or saved after a stop was asked for.
 CLEAN_EXIT_CODES = frozenset({int(ExitCode.OK), int(ExitCode.PREEMPTED_SAVED)})
+#: Evidence size limits (characters): one rank's stack, all stacks of one report, and
+#: ranks per report. The agent cuts its stacks to fit (orchestrator/agent/evidence.py,
+#: same numbers); a report over them is refused, never stored half.
+EVIDENCE_STACK_CAP = 64 * 1024
+EVIDENCE_REPORT_CAP = 1024 * 1024
+EVIDENCE_MAX_RANKS = 256
 
 
 class NotCurrent(Exception):
@@ -282,6 +293,11 @@ def _event_fields(kind: str, report: dict[str, Any]) -> dict[str, Any]:
             c = classify_failure(code, sig, tail)
             out["failure_class"] = c.failure_class.value
             out["classification"] = c.to_json_dict()
+            # What makes two user errors "the same": the exception, numbers and paths
+            # normalised (the reconciler fails fast on a repeat, not on "exit code 1").
+            signature = exception_signature(tail)
+            if signature is not None:
+                out["signature"] = signature
         return out
     if kind == ReportKind.ANOMALY:
         finding = report.get("finding")
@@ -298,7 +314,62 @@ def _event_fields(kind: str, report: dict[str, Any]) -> dict[str, Any]:
         return {"message": f"checkpoint at step {report.get('step')}"}
     if kind == ReportKind.NODE_EXIT:
         return {"message": f"node exited with {report.get('exit_code')}: {report.get('reason')}"}
+    if kind == ReportKind.EVIDENCE:
+        return _evidence_fields(report)
+    if kind == ReportKind.HEALTH_CHECK:
+        return _health_check_fields(report)
     raise ValueError(f"report kind must be one of {sorted(REPORT_KINDS)}, got {kind!r}")
+
+
+def _evidence_fields(report: dict[str, Any]) -> dict[str, Any]:
+    """Stacks taken before a kill: no failure class (the incident has one already);
+    the message carries the agent's findings (which rank, stuck in what)."""
+    ranks = report.get("ranks") or []
+    if not isinstance(ranks, list) or len(ranks) > EVIDENCE_MAX_RANKS:
+        raise ValueError(f"evidence: ranks must be a list of at most {EVIDENCE_MAX_RANKS}")
+    total = 0
+    for r in ranks:
+        stack = (r or {}).get("stack") or ""
+        if len(stack) > EVIDENCE_STACK_CAP:
+            raise ValueError(
+                f"evidence: rank {r.get('rank')}'s stack is {len(stack)} characters, "
+                f"over the {EVIDENCE_STACK_CAP} limit"
+            )
+        total += len(stack)
+    if total > EVIDENCE_REPORT_CAP:
+        raise ValueError(
+            f"evidence: {total} characters of stacks, over the {EVIDENCE_REPORT_CAP} limit"
+        )
+    tools = sorted({str(r.get("tool")) for r in ranks if r and r.get("tool")}) or ["no stacks"]
+    findings = [str(f) for f in report.get("findings") or []]
+    message = f"evidence from {len(ranks)} rank(s) ({', '.join(tools)})"
+    if findings:
+        message += ": " + "; ".join(findings)
+    return {"message": message[:2000]}
+
+
+def _health_check_fields(report: dict[str, Any]) -> dict[str, Any]:
+    """The node's checks before torchrun: class ``health_check_failed`` when any
+    failed (the node never trained; the reconciler replaces it), none when all passed."""
+    checks = report.get("checks")
+    if not isinstance(checks, list) or not checks:
+        raise ValueError("health_check: checks must be a non-empty list")
+    bad = [c for c in checks if isinstance(c, dict) and c.get("status") == "fail"]
+    if bad:
+        why = "; ".join(f"{c.get('name')}: {c.get('detail')}" for c in bad)
+        return {
+            "failure_class": FailureClass.HEALTH_CHECK_FAILED.value,
+            "message": f"health check failed: {why}"[:2000],
+        }
+    counts: dict[str, int] = {}
+    for c in checks:
+        st = str((c or {}).get("status"))
+        counts[st] = counts.get(st, 0) + 1
+    return {
+        "message": "health checks passed ("
+        + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+        + ")"
+    }
 
 
 def record_report(
@@ -324,10 +395,13 @@ def record_report(
         raise ValueError("report key must be a non-empty string")
     fields = _event_fields(str(kind), report)
     classification = fields.pop("classification", None)
+    signature = fields.pop("signature", None)
     details = {k: v for k, v in report.items() if k not in ("key", "kind")}
     details["attempt"] = attempt
     if classification is not None:
         details["classification"] = classification
+    if signature is not None:
+        details["signature"] = signature
     event, created = repo.record_event(
         session,
         job_id,
