@@ -422,12 +422,15 @@ def capture_rank(
         ev["error"] = "the rank had exited"
         return ev
     stopped = state in ("T", "t")
+    # A stopped rank cannot be ptrace-stopped again, and one in uninterruptible sleep
+    # (D: a hung filesystem) would hold a ptrace stop until it wakes: read either's
+    # memory instead.
+    nonblocking = stopped or state == "D"
     text, errors, threads = "", [], []
     if py_spy is not None:
-        # A stopped rank cannot be ptrace-stopped again: read its memory instead.
-        text, err = _run_py_spy(py_spy, target.pid, stopped, deadline - time.monotonic())
-        ev["tool"] = "py-spy --nonblocking" if stopped else "py-spy"
-        if err and not stopped and time.monotonic() < deadline:
+        text, err = _run_py_spy(py_spy, target.pid, nonblocking, deadline - time.monotonic())
+        ev["tool"] = "py-spy --nonblocking" if nonblocking else "py-spy"
+        if err and not nonblocking and time.monotonic() < deadline:
             errors.append(err)
             text, err = _run_py_spy(py_spy, target.pid, True, deadline - time.monotonic())
             ev["tool"] = "py-spy --nonblocking"

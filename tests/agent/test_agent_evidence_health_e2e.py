@@ -112,3 +112,32 @@ def test_a_failed_health_check_starts_no_rank_and_is_recorded_as_health_check_fa
     assert node_exit["details"]["reason"].startswith(f"health check failed: {failed}: ")
     assert by_kind(events, "rank_exit") == []
     assert node_row(service, job).state == "exited"
+
+
+FR_DUMP = Path(__file__).resolve().parent / "data" / "fr_gloo_pending_rank_0"
+
+
+@pytest.mark.parametrize("capture", [True, False], ids=["with-capture-stacks", "plain-stop"])
+def test_flight_recorder_dumps_on_the_node_disk_reach_the_service_once(
+    service, start_agent, tmp_path, capture
+):
+    """Collection only: NCCL writes ``<TORCH_NCCL_DEBUG_INFO_TEMP_FILE><rank>`` on a
+    timeout; here a real dump (taken from gloo) is placed where the agent points it."""
+    job = service.new_job()
+    run = start_agent(job)
+    wait_for("both ranks training", training(service, job))
+    trace_dir = tmp_path / "n0" / "nccl_trace"
+    assert trace_dir.is_dir()  # the agent made it and pointed the ranks at it
+    (trace_dir / "rank_0").write_bytes(FR_DUMP.read_bytes())
+    args = {"reason": "nccl_timeout", **({"capture_stacks": True} if capture else {})}
+    with service.sessionmaker() as s, s.begin():
+        agents.enqueue_command(s, job, 1, "stop", args)
+    assert run.wait(timeout=60) == 75, run.log.read_text()
+
+    (evidence,) = by_kind(service.events(job), "evidence")  # reported once either way
+    d = evidence["details"]
+    assert d["trigger"] == ("stop: nccl_timeout" if capture else "node exit")
+    assert len(d["ranks"]) == (2 if capture else 0)
+    (dump,) = d["flight_recorder"]
+    assert dump["file"] == "rank_0" and dump["pending"][0]["op"] == "gloo:all_reduce"
+    assert "rank 0 (flight recorder): gloo:all_reduce seq 9 not completed" in evidence["message"]
