@@ -23,6 +23,8 @@ from typing import Any
 
 from rich.console import Console
 
+from orchestrator.commands.common import incident_table
+
 # Wide enough for the incident table even when stderr is not a terminal.
 console = Console(stderr=True, width=max(Console(stderr=True).width, 120))
 
@@ -55,14 +57,16 @@ def job_spec(home: Path, steps: int) -> dict[str, Any]:
 
 
 class DemoService:
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, env: dict[str, str] | None = None) -> None:
+        """``env``: more ``SKYRESUME_*`` settings for the service (e.g. its regions)."""
         from orchestrator.launchers.local import free_port
 
         self.home = home
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SKYRESUME_")}
-        env.update(
+        proc_env = {k: v for k, v in os.environ.items() if not k.startswith("SKYRESUME_")}
+        proc_env.update(env or {})
+        proc_env.update(
             SKYRESUME_HOME=str(home),
             SKYRESUME_PORT=str(self.port),
             SKYRESUME_RECONCILE="true",
@@ -71,7 +75,7 @@ class DemoService:
         self.log = open(home / "service.log", "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "orchestrator.cli", "serve"],
-            env=env,
+            env=proc_env,
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
@@ -147,8 +151,6 @@ def wait_for(http: Any, job: str, what: str, until: Any, deadline: float) -> tup
 
 
 def run_demo(home: Path | None = None, steps: int = 120, timeout_s: float = 900.0) -> int:
-    from orchestrator.commands.recovery import incident_table
-
     home = Path(home) if home else Path(tempfile.mkdtemp(prefix="skyresume-demo-"))
     home.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + timeout_s

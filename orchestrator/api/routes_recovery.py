@@ -56,6 +56,14 @@ def list_attempts(job_id: str, session: SessionDep) -> dict[str, Any]:
                 "started_at": a.started_at,
                 "ended_at": a.ended_at,
                 "end_reason": a.end_reason,
+                "hosts": list((a.handle or {}).get("hosts", [])),
+                "knobs": {
+                    k: (a.knobs or {}).get(k)
+                    for k in ("micro_batch", "grad_accum", "activation_checkpoint_every")
+                    if k in (a.knobs or {})
+                },
+                "in_place": bool((a.knobs or {}).get("in_place")),
+                "exclude_hosts": list((a.knobs or {}).get("exclude_hosts") or []),
                 "nodes": [
                     {
                         "node_id": n.node_id,
@@ -173,6 +181,25 @@ def chaos(job_id: str, body: ChaosIn, request: Request, session: SessionDep) -> 
         return {"action": body.action, "node_id": node_id, "pid": pid, "at": at}
     except (LaunchError, ValueError) as e:
         raise HTTPException(409, str(e)) from None
+
+
+@router.get("/placement-history")
+def placement_history(session: SessionDep) -> dict[str, Any]:
+    """The placement failures the planner weighs (preemptions, lost nodes, stockouts
+    of every job, last 7 days): what ``skyresume plan`` ranks with, as SELECT does."""
+    from orchestrator.store.snapshot import placement_history as history
+
+    items = [
+        {
+            "cloud": f.cloud,
+            "region": f.region,
+            "instance_type": f.instance_type,
+            "at": f.at.isoformat(),
+            "failure_class": f.failure_class,
+        }
+        for f in history(session, repo.utcnow())
+    ]
+    return {"items": items}
 
 
 class StockoutIn(BaseModel):

@@ -7,14 +7,15 @@ user code error twice means retrying is wasted money, so the job fails fast.
 Each action with an example event sequence (``R`` = attempt):
 
 ``replace_node_block_region``
-    preemption_notice, node_lost. ``R1 (spot notice in us-east-1) -> emergency save
+    preemption_notice, node_lost, external_termination (an outside SIGTERM: the host
+    is likely going away too, but the region is not blamed). ``R1 (spot notice in us-east-1) -> emergency save
     committed -> R2 launched in us-west-2 (us-east-1 ranked lower for a while) -> ok``.
 ``restart_in_place``
     nccl_timeout, nccl_transport, rendezvous_failure, unknown. The hardware is fine; a
     fresh rendezvous usually is too. ``R1 (ncclRemoteError, IB flap) -> R2 same nodes,
     new rendezvous id, from the last checkpoint -> ok``.
 ``rollback_last_good``
-    nan_divergence, silent_corruption. The newest checkpoint may already hold the bad
+    nan_divergence, loss_spike, silent_corruption. The newest checkpoint may already hold the bad
     state, so resume from the last one saved before the anomaly. ``R1 (loss NaN at step
     4120) -> R2 from step 4000 (saved before the spike) -> ok``.
 ``replan_memory``
@@ -22,8 +23,8 @@ Each action with an example event sequence (``R`` = attempt):
     checkpointing or a smaller micro-batch with more accumulation (global batch kept).
     ``R1 (CUDA OOM, micro-batch 8) -> R2 (micro-batch 4, grad-accum x2) -> ok``.
 ``drain_node``
-    gpu_hardware, health_check_failed, slow_peer. The node is taken out of the pool and
-    replaced; the region is not blamed. ``R1 (Xid 79 on node 3) -> node 3 drained ->
+    gpu_hardware, health_check_failed, slow_peer. The node's host is excluded from
+    every later placement of the job; the region is not blamed. ``R1 (Xid 79 on node 3) -> node 3 drained ->
     R2 with a replacement node -> ok``.
 ``retry_from_checkpoint``
     checkpoint_io. Fall back to the previous complete checkpoint (we keep two) and
@@ -64,7 +65,7 @@ _A = RecoveryAction
 
 POLICY: dict[FailureClass, RecoveryAction] = {
     _F.PREEMPTION_NOTICE: _A.REPLACE_NODE_BLOCK_REGION,
-    _F.EXTERNAL_TERMINATION: _A.RESTART_IN_PLACE,
+    _F.EXTERNAL_TERMINATION: _A.REPLACE_NODE_BLOCK_REGION,
     _F.NODE_LOST: _A.REPLACE_NODE_BLOCK_REGION,
     _F.NCCL_TIMEOUT: _A.RESTART_IN_PLACE,
     _F.NCCL_TRANSPORT: _A.RESTART_IN_PLACE,
