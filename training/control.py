@@ -1,8 +1,8 @@
 """The agent's control file: settings the service changes while the job runs.
 
 The agent rewrites the JSON file named by ``SKYRESUME_RUN_CONTROL_FILE``
-(``{"checkpoint_every": N}``, and ``"inject_nan": token`` for chaos) when the
-service pushes a new value. Reading it costs
+(``{"checkpoint_every": N}``, and for chaos ``"inject_fault": {"kind", "token",
+"rank"}``, see ``training.chaos``) when the service pushes a new value. Reading it costs
 one ``stat`` per poll; the file is parsed only when its mtime or size changed. A
 missing, half-written or invalid file never stops training: the last good value
 stays, and each distinct problem is printed once.
@@ -18,6 +18,8 @@ import json
 import os
 import sys
 
+from training.chaos import FaultRequest, parse_fault
+
 
 class ControlFile:
     def __init__(self, path: str | None) -> None:
@@ -26,9 +28,9 @@ class ControlFile:
         self._warned: set[str] = set()
         self.checkpoint_every: int | None = None
         """The last valid value read; None until the file says something valid."""
-        self.inject_nan: str | None = None
-        """Chaos only: a token the agent writes for ``skyresume chaos nan``; each new
-        token makes this rank's next reported loss NaN, once."""
+        self.fault: FaultRequest | None = None
+        """Chaos only: the last valid ``inject_fault`` request read. ``Run`` acts on
+        each token once; the file may hold the same one for the rest of the run."""
 
     def poll(self) -> int | None:
         """Re-read the file if it changed; returns the current checkpoint interval."""
@@ -49,9 +51,11 @@ class ControlFile:
             self._warn(f"{self.path}: not valid JSON ({e}); keeping the current settings")
             self._seen = None  # a half-written file: read it again next time
             return self.checkpoint_every
-        token = doc.get("inject_nan") if isinstance(doc, dict) else None
-        if isinstance(token, str | int) and not isinstance(token, bool):
-            self.inject_nan = str(token)
+        if isinstance(doc, dict) and doc.get("inject_fault") is not None:
+            try:
+                self.fault = parse_fault(doc["inject_fault"])
+            except ValueError as e:
+                self._warn(f"{self.path}: {e}; no fault injected")
         every = doc.get("checkpoint_every") if isinstance(doc, dict) else None
         if every is None and "checkpoint_every" not in (doc if isinstance(doc, dict) else {}):
             return self.checkpoint_every  # nothing about the interval in this version

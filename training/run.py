@@ -21,8 +21,9 @@ in the same order; that is what makes the agreements below safe):
   flag and each rank's reading of the agent's control file. A stop: every rank
   saves the same emergency checkpoint and exits 75.
 * ``report()``: an all-reduce of "this rank saw NaN/Inf"; any rank: no rank
-  applies the update, exit 76.
-* after each step: the ``progress`` datagram; spike detectors; every
+  applies the update, exit 76 (a ``nan`` anomaly naming the step).
+* after each step: the ``progress`` datagram; the loss spike detector (a
+  persistent spike is one ``spike`` anomaly naming its onset step); every
   ``straggler_every`` steps an all-gather of per-rank compute times; every
   ``reference_every`` steps, and before every save, the reference forward pass
   compared across replicas (exit 79 on a difference, so a corrupted replica is
@@ -31,6 +32,13 @@ in the same order; that is what makes the agreements below safe):
 Exits are ``RunExit`` (a ``SystemExit``) carrying the contract's code, raised on
 every rank at the same point, after an ``exit`` datagram; uncaught, the process
 exits with that code, which is what the agent reads.
+
+Chaos faults from the control file (``training.chaos``) are taken at the step
+boundary after a poll; the ones that kill a rank raise there, uncaught.
+
+Step numbers in anomalies are the index of the step whose loss was bad: the
+number of updates applied to the weights that computed it, so ``step_<N>`` holds
+those weights (the ``progress`` datagram of that step says N + 1, steps done).
 """
 
 from __future__ import annotations
@@ -41,13 +49,15 @@ import os
 import statistics
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from orchestrator.contract import MANIFEST_NAME, Env, ExitCode, manifest_digest
+from orchestrator.contract import MANIFEST_NAME, Env, ExitCode, FaultKind, manifest_digest
+from training import chaos
 from training.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -60,7 +70,9 @@ from training.data import ResumableSampler
 from training.knobs import BatchPlan, plan_batch
 from training.monitors import (
     Finding,
+    Spike,
     SpikeDetector,
+    SpikeRule,
     detect_reference_divergence,
     detect_straggler,
 )
@@ -140,8 +152,8 @@ class RunConfig:
     """Steps between sharing per-rank compute times; 0 = never."""
     straggler_ratio: float = 1.5
     """Slowest rank over the median at or above which a straggler is reported."""
-    spike_threshold: float = 6.0
-    """Robust z-score (median/MAD) above which a loss or grad norm is a spike."""
+    spike: SpikeRule = field(default_factory=SpikeRule)
+    """When the loss is a spike: window, robust z, minimum jump, persistence."""
     job_id: str = ""
     attempt: int | None = None
     node_id: str = ""
@@ -277,9 +289,18 @@ class Run:
         self.reporter = ProgressReporter(config.progress_addr, rank=self.rank)
         self._stop = StopRequest()
         self._control = ControlFile(config.control_file)
-        self._nan_injected: str | None = None
-        self._loss_spikes = SpikeDetector("loss_spike", threshold=config.spike_threshold)
-        self._grad_spikes = SpikeDetector("grad_norm_spike", threshold=config.spike_threshold)
+        self._loss_spikes = SpikeDetector(config.spike)
+        self._grad_norms: deque[tuple[int, float]] = deque(maxlen=config.spike.window)
+        """(step, grad norm) of recent steps: evidence beside a loss spike."""
+        self._faults_taken: set[str] = set()
+        self._fault_now: FaultKind | None = None
+        """A fault taken at this step boundary and not yet acted on."""
+        self._nan_next = False
+        self._spike_left = 0
+        """Steps of an injected loss spike still to run (this one included)."""
+        self._spike_applied = False
+        self.injected: list[tuple[int, FaultKind]] = []
+        """(step, kind) of every chaos fault this rank acted on."""
         self._times = _StepTimes()
         self._report: tuple[float, float | None] | None = None
         self._restored = False
@@ -551,6 +572,40 @@ class Run:
         self._times.first_bucket = None
         self._times.waited = 0.0
         self._report = None
+        self._spike_applied = False
+        kind, self._fault_now = self._fault_now, None
+        if kind is None:
+            return
+        self._note_fault(kind)
+        if kind is FaultKind.NAN:
+            self._nan_next = True
+        elif kind is FaultKind.SPIKE:
+            self._spike_left = chaos.SPIKE_STEPS
+        else:
+            chaos.raise_fault(kind)  # uncaught: the rank dies with the real error's text
+
+    def _note_fault(self, kind: FaultKind) -> None:
+        self.injected.append((self.step, kind))
+        print(f"rank {self.rank}: chaos: {kind} at step {self.step}", file=sys.stderr, flush=True)
+
+    def _take_fault(self) -> None:
+        """The control file's fault, if its token is new and it names this rank."""
+        req = self._control.fault
+        if req is None or req.token in self._faults_taken:
+            return
+        self._faults_taken.add(req.token)  # once per token, even on ranks it spares
+        if req.applies_to(self.rank):
+            self._fault_now = req.kind
+
+    def perturb_loss(self, loss: Any) -> Any:
+        """The loss to backpropagate: ``loss`` itself, except during an injected chaos
+        spike (``SPIKE_FACTOR`` x ``loss``, so the gradients spike too). Route each
+        micro-batch's loss through it in the forward to let ``skyresume chaos spike``
+        reach the model; without it only the reported loss spikes."""
+        if self._spike_left <= 0:
+            return loss
+        self._spike_applied = True
+        return loss * chaos.SPIKE_FACTOR
 
     def should_stop(self) -> bool:
         """The step-boundary agreement (a collective: every rank calls it at the same
@@ -561,10 +616,15 @@ class Run:
         if not self._polled or self.step % max(1, self.config.control_every) == 0:
             self._control.poll()
             self._polled = True
+            self._take_fault()
         every = self._control.checkpoint_every or 0
         flags = torch.tensor(
             [1 if self._stop.requested_here else 0, every, -every], dtype=torch.int64
         )
+        if self._fault_now is FaultKind.TRANSPORT:
+            self._note_fault(FaultKind.TRANSPORT)
+            # In place of this step's collective, as a broken link fails it: uncaught.
+            raise chaos.transport_error()
         if self.distributed:
             import torch.distributed as dist
 
@@ -607,11 +667,11 @@ class Run:
         import torch
 
         loss_f = float(loss.detach() if hasattr(loss, "detach") else loss)
-        token = self._control.inject_nan
-        if token is not None and token != self._nan_injected:
-            # Chaos (`skyresume chaos nan`): the agent asked for one NaN on this node.
-            self._nan_injected = token
+        if self._nan_next:  # chaos: this rank's loss is NaN once
+            self._nan_next = False
             loss_f = math.nan
+        if self._spike_left > 0 and not self._spike_applied:
+            loss_f *= chaos.SPIKE_FACTOR  # the script did not call perturb_loss this step
         gn = None if grad_norm is None else float(grad_norm)
         bad = torch.tensor(
             [0 if math.isfinite(loss_f) and (gn is None or math.isfinite(gn)) else 1]
@@ -624,7 +684,11 @@ class Run:
             self._times.waited += time.perf_counter() - t0
         if bad.item():
             self.optimizer.zero_grad(set_to_none=True)  # the weights are untouched
-            self._anomaly("nan", f"loss {loss_f}, grad norm {gn} on rank {self.rank}")
+            self._anomaly(
+                "nan",
+                f"loss {loss_f}, grad norm {gn} on rank {self.rank}",
+                onset_step=self.step,  # a NaN has no persistence: it begins where it is seen
+            )
             print(
                 f"rank {self.rank}: non-finite loss/grad at step {self.step}; no update applied",
                 file=sys.stderr,
@@ -636,7 +700,9 @@ class Run:
 
     def end_step(self) -> None:
         """Close the step: count it, report it, watch it, maybe save."""
+        index = self.step  # the step just run: anomalies name it (see the module doc)
         self.step += 1
+        self._spike_left = max(0, self._spike_left - 1)
         if self.sampler is not None:
             self.sampler.advance()
         now = time.perf_counter()
@@ -649,10 +715,10 @@ class Run:
             grad_norm=gn,  # type: ignore[arg-type]
             samples_per_s=(self.global_batch or 0) / dt if dt > 0 else 0.0,
         )
-        if loss is not None:
-            self._observe(self._loss_spikes.observe(self.step, loss))
         if gn is not None:
-            self._observe(self._grad_spikes.observe(self.step, gn))
+            self._grad_norms.append((index, gn))
+        if loss is not None:
+            self._observe(self._loss_spikes.observe(index, loss))
         first = self._times.first_bucket
         compute = (first - self._times.started) if first is not None else dt - self._times.waited
         self._times.window.append(max(compute, 0.0))
@@ -705,10 +771,32 @@ class Run:
 
     # --- monitors ---------------------------------------------------------------------
 
-    def _observe(self, finding: Finding | None) -> None:
-        if finding is not None:
-            self.findings.append(finding)
-            self._anomaly("spike", f"{finding.kind} on rank {self.rank}: {finding.evidence}")
+    def _observe(self, spike: Spike | None) -> None:
+        if spike is None:
+            return
+        evidence = spike.evidence("loss")
+        before = [g for s, g in self._grad_norms if s < spike.onset_step]
+        at_onset = next((g for s, g in self._grad_norms if s == spike.onset_step), None)
+        gn_median = statistics.median(before) if before else None
+        if at_onset is not None and gn_median is not None:
+            evidence += f"; grad norm {at_onset:.4g} at the onset vs median {gn_median:.4g}"
+        self.findings.append(Finding("loss_spike", spike.onset_step, spike.onset_value, evidence))
+        print(f"rank {self.rank}: loss spike: {evidence}", file=sys.stderr, flush=True)
+        self._anomaly(
+            "spike",
+            f"loss_spike on rank {self.rank}: {evidence}",
+            step=spike.onset_step,
+            metric="loss",
+            onset_step=spike.onset_step,
+            detected_step=spike.detected_step,
+            value=spike.onset_value,
+            peak=spike.peak,
+            median=spike.median,
+            threshold=spike.threshold,
+            persist=self.config.spike.persist,
+            grad_norm=at_onset,
+            grad_norm_median=gn_median,
+        )
 
     def _share_step_times(self) -> None:
         import torch
@@ -789,8 +877,9 @@ class Run:
                 blocking_s=None if c.blocking_s is None else round(c.blocking_s, 4),
             )
 
-    def _anomaly(self, kind: str, detail: str) -> None:
-        self.reporter.send("anomaly", kind=kind, step=self.step, detail=detail)
+    def _anomaly(self, kind: str, detail: str, *, step: int | None = None, **fields: Any) -> None:
+        step = self.step if step is None else step
+        self.reporter.send("anomaly", kind=kind, step=step, detail=detail, **fields)
 
     def _exit(self, code: ExitCode, reason: str) -> None:
         self.reporter.send("exit", code=int(code), reason=reason)

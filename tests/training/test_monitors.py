@@ -1,36 +1,102 @@
-"""Detectors: spikes by robust statistics, stragglers, silent corruption."""
+"""Detectors: persistent loss spikes against the run's own noise, stragglers, silent
+corruption. Real runs of the reference script are in test_anomaly_signals.py."""
 
 from __future__ import annotations
 
 import math
+import random
 
-from training.monitors import SpikeDetector, check_reference, detect_straggler, is_spike
+import pytest
 
-
-def test_loss_spike_is_found_with_evidence():
-    d = SpikeDetector("loss_spike")
-    losses = [2.0 + 0.01 * (i % 5) for i in range(30)]
-    assert all(d.observe(i, v) is None for i, v in enumerate(losses))
-    f = d.observe(30, 9.0)
-    assert f is not None and f.kind == "loss_spike" and "median 2.02" in f.evidence
-
-
-def test_one_spike_does_not_hide_the_next():
-    d = SpikeDetector("grad_norm_spike")
-    for i in range(20):
-        d.observe(i, 1.0 + 0.01 * (i % 3))
-    assert d.observe(20, 50.0) is not None
-    assert d.observe(21, 40.0) is not None
+from training.monitors import (
+    SpikeDetector,
+    SpikeRule,
+    check_reference,
+    detect_straggler,
+    spike_threshold,
+)
 
 
-def test_steady_decrease_is_not_a_spike():
-    d = SpikeDetector("loss_spike")
-    assert all(d.observe(i, 5.0 * 0.98**i) is None for i in range(100))
+def feed(d: SpikeDetector, values: list[float], start: int = 0) -> list:  # type: ignore[type-arg]
+    return [s for i, v in enumerate(values, start) if (s := d.observe(i, v)) is not None]
 
 
-def test_short_history_is_never_a_spike_but_nan_always_is():
-    assert is_spike(100.0, [1.0, 1.0])[0] is False
-    assert is_spike(math.nan, [])[0] is True
+def noisy(n: int, level: float = 2.0, noise: float = 0.05, seed: int = 0) -> list[float]:
+    rng = random.Random(seed)
+    return [level * (1 + rng.uniform(-noise, noise)) for _ in range(n)]
+
+
+def test_a_persistent_jump_is_reported_once_naming_its_onset():
+    d = SpikeDetector(SpikeRule(persist=3))
+    values = noisy(40) + [20.0] * 6 + noisy(20, seed=1)
+    spikes = feed(d, values)
+    assert len(spikes) == 1
+    s = spikes[0]
+    assert (s.onset_step, s.detected_step, s.onset_value, s.peak) == (40, 42, 20.0, 20.0)
+    assert 1.9 < s.median < 2.1 and "at step 40" in s.evidence()
+
+
+def test_a_jump_shorter_than_persist_is_not_a_spike():
+    d = SpikeDetector(SpikeRule(persist=5))
+    assert feed(d, noisy(40) + [20.0] * 4 + noisy(40, seed=1)) == []
+
+
+def test_the_demos_grad_norm_blip_is_no_spike_on_a_smooth_curve():
+    """0.96 against a median of 0.82 with a tiny spread: 30 robust sigmas, but 17%
+    above the median, far below the minimum jump, even when it stays there."""
+    d = SpikeDetector()
+    smooth = [0.82 + 0.001 * (i % 3) for i in range(50)]
+    assert feed(d, smooth + [0.96] * 10) == []
+    _med, threshold = spike_threshold(smooth, SpikeRule())
+    assert threshold == pytest.approx(1.5 * 0.821, rel=1e-3)  # min_jump decides here
+
+
+def test_a_noisy_run_needs_a_bigger_jump_than_a_smooth_one():
+    smooth, rough = noisy(50, noise=0.01), noisy(50, noise=0.5, seed=2)
+    rule = SpikeRule()
+    assert spike_threshold(smooth, rule)[1] < spike_threshold(rough, rule)[1]
+    d = SpikeDetector(rule)
+    assert feed(d, rough + [2.0 * 1.6] * 10) == []  # 1.6x: inside this run's own noise
+
+
+def test_a_steadily_falling_loss_never_spikes():
+    d = SpikeDetector()
+    assert feed(d, [5.0 * 0.98**i * (1 + 0.05 * math.sin(i)) for i in range(300)]) == []
+
+
+def test_an_excursion_that_ends_early_rejoins_the_window():
+    d = SpikeDetector(SpikeRule(persist=5))
+    feed(d, noisy(40) + [20.0] * 3)
+    assert 20.0 not in d.history  # held out while it might still be a spike
+    d.observe(43, 2.0)
+    assert list(d.history).count(20.0) == 3  # it was noise after all
+
+
+def test_a_spike_does_not_raise_its_own_baseline_and_the_next_one_is_found():
+    d = SpikeDetector(SpikeRule(persist=3))
+    spikes = feed(d, noisy(40) + [20.0] * 30 + noisy(10, seed=3) + [25.0] * 3)
+    assert [(s.onset_step, s.detected_step) for s in spikes] == [(40, 42), (80, 82)]
+    assert 1.9 < spikes[1].median < 2.1
+
+
+def test_too_little_history_is_never_a_spike():
+    d = SpikeDetector(SpikeRule(min_history=20, persist=1))
+    assert feed(d, [2.0] * 10 + [50.0] * 10) == []
+
+
+def test_a_nan_is_not_a_spike_but_an_error_of_the_caller():
+    with pytest.raises(ValueError, match="not a spike"):
+        SpikeDetector().observe(3, math.nan)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"persist": 0}, {"z": 0.0}, {"min_jump": -0.1}, {"window": 2}, {"min_jump": math.inf}],
+    ids=["persist", "z", "min_jump", "window", "inf"],
+)
+def test_a_spike_rule_refuses_bad_values(bad):  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError):
+        SpikeRule(**bad)
 
 
 def test_slowest_rank_and_its_ratio_to_the_median():

@@ -5,47 +5,16 @@ the reference pass before it is checkpointed (exit 79)."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
 from pathlib import Path
 
 import pytest
+from datagrams import Listener
 from testkit import torchrun
 
 from orchestrator.contract import Env, ExitCode
 from training.checkpoint import find_latest_complete
 
 WORKER = Path(__file__).with_name("run_worker.py")
-
-
-class Listener:
-    """The agent's UDP progress listener, collecting every datagram."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.settimeout(0.2)
-        self.addr = f"127.0.0.1:{self.sock.getsockname()[1]}"
-        self.got: list[dict] = []
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._done.is_set():
-            try:
-                self.got.append(json.loads(self.sock.recv(65536)))
-            except TimeoutError:
-                continue
-
-    def close(self) -> list[dict]:
-        self._done.set()
-        self._thread.join()
-        self.sock.close()
-        return self.got
-
-    def of(self, type_: str) -> list[dict]:
-        return [d for d in self.got if d["type"] == type_]
 
 
 @pytest.mark.slow

@@ -10,7 +10,8 @@ complete checkpoint. SIGTERM or SIGUSR1 on any rank: every rank stops at the sam
 step boundary, saves an emergency checkpoint and exits with
 ExitCode.PREEMPTED_SAVED (75). A NaN/Inf loss or gradient exits with NAN_DETECTED
 (76) before the optimizer touches the weights; replicas whose reference loss
-differ exit with SILENT_CORRUPTION (79).
+differ exit with SILENT_CORRUPTION (79). A loss that jumps far above its trend and
+stays there is reported as a ``spike`` anomaly naming its onset step; training goes on.
 
 The data set is ``--dataset-size`` synthetic sequences, each a pure function of
 (seed, index); a ``ResumableSampler`` shuffles it per epoch from the seed alone and
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from orchestrator.contract import Env
-from training import ResumableSampler, Run
+from training import ResumableSampler, Run, chaos
 
 
 class Block(nn.Module):
@@ -96,6 +97,12 @@ def synthetic_batch(seed: int, indices: list[int], seq: int, vocab: int) -> torc
     return torch.stack(rows)
 
 
+#: Environment variables for the options that make this script fail like a real one
+#: (a job spec's command line can carry the flags too).
+OOM_ABOVE_MICRO_BATCH = "TRAIN_GPT_OOM_ABOVE_MICRO_BATCH"
+RAISE_KEYERROR_AT_STEP = "TRAIN_GPT_RAISE_KEYERROR_AT_STEP"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     env = os.environ
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -132,6 +139,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--straggler-every", type=int, default=10)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds; to slow a demo")
     p.add_argument("--inject-nan-at", type=int, default=-1, help="testing: NaN loss at this step")
+    p.add_argument(
+        "--inject-spike-at",
+        type=int,
+        default=-1,
+        help=f"testing: the loss is {chaos.SPIKE_FACTOR:g}x in the forward for "
+        f"{chaos.SPIKE_STEPS} steps from this step (every rank)",
+    )
+    p.add_argument(
+        "--oom-above-micro-batch",
+        type=int,
+        default=int(env.get(OOM_ABOVE_MICRO_BATCH, -1)),
+        help="testing: refuse like a GPU too small would: CUDA's OOM at the first step "
+        f"when the micro-batch is above this (-1: never; env {OOM_ABOVE_MICRO_BATCH})",
+    )
+    p.add_argument(
+        "--raise-keyerror-at-step",
+        type=int,
+        default=int(env.get(RAISE_KEYERROR_AT_STEP, -1)),
+        help="testing: a user bug at this step, KeyError: 'input_ids', again after every "
+        f"resume from before it (-1: never; env {RAISE_KEYERROR_AT_STEP})",
+    )
     p.add_argument(
         "--inject-corruption-at",
         type=int,
@@ -209,17 +237,29 @@ def main(argv: list[str] | None = None) -> int:
     run.restore()
     assert run.batch_plan is not None
     micro, accum = run.batch_plan.micro_batch, run.batch_plan.grad_accum
+    first_step = run.step
+    at = args.inject_spike_at
+    spike_steps = range(at, at + chaos.SPIKE_STEPS) if at >= 0 else range(0)
     for step in run.steps(args.max_steps):
         model.train()
         batch = synthetic_batch(args.seed, sampler.indices(), args.seq, args.vocab)
+        if step == first_step and 0 <= args.oom_above_micro_batch < micro:
+            # What a card too small for this micro-batch does in its first forward; a
+            # re-planned smaller micro-batch runs, the smallest one fails again.
+            raise chaos.cuda_oom_error(tried_gib=0.25 * micro)
+        features = {"tokens": batch}
+        # The user's bug at that step (every rank): reading a key the batch lacks.
+        tokens = features["input_ids" if step == args.raise_keyerror_at_step else "tokens"]
         if rank == args.slow_rank:
             time.sleep(args.slow_seconds)
         total = 0.0
         for m in range(accum):
-            chunk = batch[m * micro : (m + 1) * micro]
-            loss = loss_of(chunk, ddp)
+            chunk = tokens[m * micro : (m + 1) * micro]
+            loss = run.perturb_loss(loss_of(chunk, ddp))  # chaos spike: x10 here
             if step == args.inject_nan_at:
                 loss = loss * float("nan")
+            if step in spike_steps:
+                loss = loss * chaos.SPIKE_FACTOR
             (loss / accum).backward()
             total += loss.item() / accum
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
