@@ -36,6 +36,7 @@ from orchestrator.domain.failures import FailureClass
 from orchestrator.domain.status import JobStatus
 from orchestrator.store import repo
 from orchestrator.store.goodput import JobGoodput, fleet_incidents, job_goodput
+from orchestrator.store.incidents import incidents
 from orchestrator.store.models import FailureEvent, ProtocolStep
 
 _HERE = Path(__file__).resolve().parent
@@ -242,6 +243,8 @@ def job_page(job_id: str, session: SessionDep) -> Response:
     except repo.NotFound as e:
         return _render("error.html", 404, title="job not found", message=str(e))
     report = job_goodput(session, job_id)
+    # The remedy each incident got and what else it caused, from the incidents read model.
+    recovered = {i["id"]: i for i in incidents(session, job_id)}
     events = list(
         session.scalars(
             select(FailureEvent)
@@ -257,6 +260,7 @@ def job_page(job_id: str, session: SessionDep) -> Response:
         transitions=repo.list_transitions(session, job_id),
         report=report,
         events=events,
+        recovered=recovered,
         step_colours=charts.STEP_COLOURS,
         nav="jobs",
         **_job_charts(report),
