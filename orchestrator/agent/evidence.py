@@ -484,7 +484,13 @@ def capture_stacks(
         try:
             results[t.rank] = capture_rank(t, py_spy=py_spy, deadline=deadline, cap=cap)
         except Exception as e:  # one unreadable rank must not lose the others' stacks
-            results[t.rank] = {"rank": t.rank, "pid": t.pid, "error": f"{type(e).__name__}: {e}"}
+            results[t.rank] = {
+                "rank": t.rank,
+                "local_rank": t.local_rank,
+                "pid": t.pid,
+                "state": proc_state(t.pid)[0],
+                "error": f"{type(e).__name__}: {e}"[:1000],
+            }
 
     threads = [threading.Thread(target=one, args=(t,), daemon=True) for t in targets]
     for th in threads:

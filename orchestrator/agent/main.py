@@ -643,12 +643,12 @@ class Agent:
             )
             what = f"checkpoint_and_stop: {args.get('reason') or 'service'}"
             if args.get("capture_stacks") is True:
-                self.capture_evidence(what, f"evidence:{cmd.get('seq')}")
+                self._capture_then_stop(what, f"evidence:{cmd.get('seq')}")
             self.begin_stop(what, grace)
         elif kind == CommandType.STOP:
             what = f"stop: {args.get('reason') or 'service'}"
             if args.get("capture_stacks") is True:
-                self.capture_evidence(what, f"evidence:{cmd.get('seq')}")
+                self._capture_then_stop(what, f"evidence:{cmd.get('seq')}")
             self.begin_stop(what, STOP_GRACE_S)
         elif kind == CommandType.SET_CHECKPOINT_EVERY:
             n = args.get("every_steps")
@@ -813,6 +813,12 @@ class Agent:
             findings=findings,
             took_s=round(took, 3),
         )
+
+    def _capture_then_stop(self, trigger: str, key: str) -> None:
+        try:
+            self.capture_evidence(trigger, key)
+        except Exception:  # evidence is worth a few seconds, never the stop itself
+            log.exception("evidence capture failed; stopping the ranks anyway")
 
     def _report_flight_recorder(self) -> None:
         """Flight Recorder dumps written since the last capture (NCCL writes them on a
