@@ -1,9 +1,17 @@
-"""The operator CLI: a thin REST client of the service, plus ``serve`` and ``db``.
+"""The operator CLI: the Typer app, a thin REST client of the service, plus ``serve``
+and ``db``.
+
+What the commands share (output format, consoles, ``fail``, the REST client) is in
+:mod:`orchestrator.commands.common`; each area's commands are in
+``orchestrator/commands/<area>.py``; ``serve`` and ``db`` call
+:mod:`orchestrator.server`, which wires the service. Imports run one way, cli ->
+commands.* / server -> commands.common, so no module needs this one.
 
 Heavy modules (FastAPI, SQLAlchemy, uvicorn, cloud SDKs, torch) are imported inside
-the commands that need them, so ``skyresume --help`` and the client commands start
+the functions that need them, so ``skyresume --help`` and the client commands start
 fast. Every failure the operator can cause or fix (service down, wrong token, bad
-spec) prints one ``error:`` line and exits non-zero; tracebacks are for bugs.
+spec, unreachable database) prints one ``error:`` line and exits non-zero;
+tracebacks are for bugs.
 """
 
 from __future__ import annotations
@@ -11,13 +19,25 @@ from __future__ import annotations
 import json
 import sys
 import time
-from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, Literal
 
 import typer
-from rich.console import Console
 from rich.table import Table
+
+from orchestrator import server
+from orchestrator.commands import cloud, failures, goodput, plan, recovery
+from orchestrator.commands.common import (
+    Client,
+    Output,
+    OutputOpt,
+    console,
+    err_console,
+    fail,
+    load_settings,
+    print_json,
+    redact_url,
+)
 
 app = typer.Typer(
     name="skyresume",
@@ -27,99 +47,6 @@ app = typer.Typer(
 )
 db_app = typer.Typer(help="Database schema (Alembic).", no_args_is_help=True)
 app.add_typer(db_app, name="db")
-
-
-def _register_command_modules() -> None:
-    # Each area keeps its commands in orchestrator/commands/<area>.py (light imports).
-    from orchestrator.commands import cloud, failures, goodput, plan, recovery
-
-    cloud.register(app)
-    failures.register(app)
-    goodput.register(app)
-    plan.register(app)
-    recovery.register(app)
-
-
-console = Console()
-err_console = Console(stderr=True)
-
-
-class Output(StrEnum):
-    table = "table"
-    json = "json"
-
-
-OutputOpt = Annotated[Output, typer.Option("--output", "-o", help="table or json")]
-
-
-def fail(message: str, code: int = 1) -> NoReturn:
-    err_console.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
-
-
-def _settings():  # type: ignore[no-untyped-def]
-    from pydantic import ValidationError
-
-    from orchestrator.settings import Settings
-
-    try:
-        return Settings()
-    except ValidationError as e:
-        first = e.errors()[0]
-        fail(f"bad setting SKYRESUME_{str(first['loc'][0]).upper()}: {first['msg']}", 2)
-
-
-class Client:
-    """The REST client: one place that turns HTTP failures into operator messages."""
-
-    def __init__(self, url: str | None = None, token: str | None = None) -> None:
-        import httpx
-
-        from orchestrator.api.auth import read_client_token
-
-        settings = _settings()
-        self.url = (url or settings.effective_service_url).rstrip("/")
-        self.token = token or read_client_token(settings)
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=30)
-
-    def request(self, method: str, path: str, **kw: Any) -> Any:
-        import httpx
-
-        try:
-            r = self.http.request(method, path, **kw)
-        except httpx.ConnectError:
-            fail(
-                f"cannot reach the skyresume service at {self.url} (is `skyresume serve` running?)"
-            )
-        except httpx.TimeoutException:
-            fail(f"the skyresume service at {self.url} did not answer in time")
-        except httpx.HTTPError as e:
-            fail(f"request to {self.url} failed: {e}")
-        if r.status_code == 401:
-            hint = "set SKYRESUME_TOKEN" if not self.token else "check SKYRESUME_TOKEN"
-            fail(f"the service rejected the token ({hint}; local mode keeps it in <home>/token)")
-        if r.status_code >= 400:
-            fail(_describe_error(r), 2 if r.status_code in (400, 404, 409, 413, 415, 422) else 1)
-        return r.json()
-
-
-def _describe_error(r: Any) -> str:
-    try:
-        detail = r.json().get("detail")
-    except ValueError:
-        return f"HTTP {r.status_code}: {r.text[:200]}"
-    if isinstance(detail, list):
-        parts = []
-        for d in detail:
-            loc = ".".join(str(p) for p in d.get("loc", []) if p != "body")
-            parts.append(f"{loc}: {d.get('msg')}" if loc else str(d.get("msg")))
-        return "invalid job spec: " + "; ".join(parts)
-    return str(detail)
-
-
-def _print_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 
 
 def _job_table(items: list[dict[str, Any]]) -> Table:
@@ -164,60 +91,26 @@ def serve(
     db_url: Annotated[str | None, typer.Option("--db-url", help="SQLAlchemy URL")] = None,
 ) -> None:
     """Run the service (API; SQLite under ~/.skyresume unless SKYRESUME_DATABASE_URL)."""
-    import uvicorn
-
-    from orchestrator.api.app import create_app
-    from orchestrator.settings import Settings
-    from orchestrator.store import db
-
-    overrides = {
-        k: v
-        for k, v in {"host": host, "port": port, "database_url": db_url}.items()
-        if v is not None
-    }
-    settings = Settings(**overrides)
-    if settings.port == 0 and settings.reconcile:
-        # Agents must be told where the service is before uvicorn binds: pick the port.
-        from orchestrator.launchers.local import free_port
-
-        settings = settings.model_copy(update={"port": free_port()})
-    url = settings.effective_database_url
+    overrides = {"host": host, "port": port, "database_url": db_url}
+    settings = server.bind_settings(
+        load_settings(**{k: v for k, v in overrides.items() if v is not None})
+    )
+    url = redact_url(settings.effective_database_url)
     try:
-        if settings.should_auto_migrate:
-            db.upgrade(url)
-        app_ = create_app(settings)
-    except Exception as e:
-        fail(f"cannot open the database {_redact(url)}: {type(e).__name__}: {e}")
-    reconciler = None
-    if settings.reconcile:
-        from orchestrator.reconciler.service import attach_reconciler
-
-        reconciler = attach_reconciler(app_)
+        service = server.build_service(settings)
+    except server.DatabaseError as e:
+        fail(f"cannot open the database {url}: {e}")
     where = "SKYRESUME_TOKEN" if settings.token else str(settings.token_path)
+    reconciler = f"on, launcher {settings.launcher}" if service.reconciler else "off"
     err_console.print(
         f"skyresume serving on http://{settings.host}:{settings.port} "
-        f"(database {_redact(url)}; operator token in {where}; "
-        f"reconciler {'on, launcher ' + settings.launcher if reconciler else 'off'})"
+        f"(database {url}; operator token in {where}; reconciler {reconciler})",
+        # One line in service.log, however narrow; paths print as they are.
+        soft_wrap=True,
+        markup=False,
+        highlight=False,
     )
-    if reconciler is not None:
-        reconciler.start()
-    try:
-        uvicorn.run(app_, host=settings.host, port=settings.port, log_level="warning")
-    finally:
-        if reconciler is not None:
-            reconciler.stop()
-            close = getattr(app_.state.launcher, "close", None)
-            if close is not None:
-                close()
-
-
-def _redact(url: str) -> str:
-    from sqlalchemy.engine import make_url
-
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return "<unparseable URL>"
+    server.run_service(service)
 
 
 @app.command()
@@ -240,7 +133,7 @@ def submit(
         "POST", "/v1/jobs", content=text, headers={"content-type": "application/yaml"}
     )
     if output is Output.json:
-        _print_json(job)
+        print_json(job)
     else:
         console.print(f"submitted {job['id']} ({job['name']}): {job['status']}")
 
@@ -263,7 +156,7 @@ def jobs(
             fail(f"unknown status {status!r}; one of {', '.join(JobStatus)}", 2)
     page = Client().request("GET", "/v1/jobs", params=params)
     if output is Output.json:
-        _print_json(page)
+        print_json(page)
         return
     console.print(_job_table(page["items"]))
     shown = offset + len(page["items"])
@@ -276,7 +169,7 @@ def show(job_id: str, output: OutputOpt = Output.table) -> None:
     """One job: its spec, status and transition history."""
     job = Client().request("GET", f"/v1/jobs/{job_id}")
     if output is Output.json:
-        _print_json(job)
+        print_json(job)
         return
     console.print(_job_table([job]))
     t = Table("AT", "FROM", "TO", "REASON", title="transitions")
@@ -315,7 +208,7 @@ def events(
                         sys.stdout.write(json.dumps(e, default=str) + "\n")
                     sys.stdout.flush()
                 else:
-                    _print_json(page)
+                    print_json(page)
             elif items or not follow:
                 t = _event_table()
                 _event_rows(t, items)
@@ -336,22 +229,18 @@ def cancel(job_id: str, output: OutputOpt = Output.table) -> None:
     """Cancel a job (nodes are taken down; its history stays)."""
     job = Client().request("POST", f"/v1/jobs/{job_id}/cancel")
     if output is Output.json:
-        _print_json(job)
+        print_json(job)
     else:
         console.print(f"{job['id']}: {job['status']}")
 
 
-def _migrate(action: str, revision: str, db_url: str | None) -> None:
-    from orchestrator.store import db
-
-    url = db_url or _settings().effective_database_url
-    move = db.upgrade if action == "upgrade" else db.downgrade
+def _migrate(action: Literal["upgrade", "downgrade"], revision: str, db_url: str | None) -> None:
+    url = db_url or load_settings().effective_database_url
     try:
-        move(url, revision)
-        rev = db.current_revision(url)
-    except Exception as e:
-        fail(f"{action} of {_redact(url)} failed: {type(e).__name__}: {e}")
-    console.print(f"{_redact(url)} is at revision {rev or 'base'}")
+        rev = server.migrate(url, action, revision)
+    except server.DatabaseError as e:
+        fail(f"{action} of {redact_url(url)} failed: {e}")
+    console.print(f"{redact_url(url)} is at revision {rev or 'base'}")
 
 
 @db_app.command("upgrade")
@@ -375,16 +264,17 @@ def db_downgrade(
 @db_app.command("current")
 def db_current(db_url: Annotated[str | None, typer.Option("--db-url")] = None) -> None:
     """Print the schema revision of the database."""
-    from orchestrator.store import db
-
-    url = db_url or _settings().effective_database_url
+    url = db_url or load_settings().effective_database_url
     try:
-        console.print(db.current_revision(url) or "base (empty)")
-    except Exception as e:
-        fail(f"cannot read {_redact(url)}: {type(e).__name__}: {e}")
+        rev = server.current_revision(url)
+    except server.DatabaseError as e:
+        fail(f"cannot read {redact_url(url)}: {e}")
+    console.print(rev or "base (empty)")
 
 
-_register_command_modules()
+# After the core commands, so that --help lists them first.
+for area in (cloud, failures, goodput, plan, recovery):
+    area.register(app)
 
 
 def main() -> None:

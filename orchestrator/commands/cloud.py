@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import sys
 from enum import StrEnum
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
+
+from orchestrator.commands.common import fail
 
 metadata_app = typer.Typer(help="Cloud metadata: preemption notices.", no_args_is_help=True)
 checkpoints_app = typer.Typer(help="Checkpoints in object storage.", no_args_is_help=True)
@@ -22,11 +24,6 @@ class ProviderChoice(StrEnum):
     gcp = "gcp"
     azure = "azure"
     auto = "auto"
-
-
-def _fail(message: str, code: int = 1) -> NoReturn:
-    print(f"error: {message}", file=sys.stderr)
-    raise typer.Exit(code)
 
 
 @metadata_app.command("probe")
@@ -44,12 +41,12 @@ def probe(
     from orchestrator.cloud import metadata as md
 
     if endpoint is not None and not endpoint.startswith(("http://", "https://")):
-        _fail(f"--endpoint {endpoint!r} must be an http:// or https:// URL", 2)
+        fail(f"--endpoint {endpoint!r} must be an http:// or https:// URL", 2)
     if provider is ProviderChoice.auto:
         found = md.detect_provider(endpoint, timeout=min(timeout, 1.0))
         if found is None:
             where = endpoint or "the default metadata endpoints"
-            _fail(f"no AWS, GCP or Azure metadata service answered at {where}")
+            fail(f"no AWS, GCP or Azure metadata service answered at {where}")
         chosen = found
     else:
         chosen = md.Provider(provider.value)
@@ -58,7 +55,7 @@ def probe(
         kw["first_timeout"] = max(timeout, 30.0)
     result = md.poller_for(chosen, endpoint, **kw).poll()
     if result.state == "unknown":
-        _fail(f"{chosen} metadata unreadable: {result.error}")
+        fail(f"{chosen} metadata unreadable: {result.error}")
     notice = result.notice.to_dict() if result.notice else None
     print(json.dumps({"provider": str(chosen), "notice": notice}))
 
@@ -83,7 +80,7 @@ def checkpoints_ls(
     try:
         found = list_checkpoints(uri)
     except StorageError as e:
-        _fail(str(e))
+        fail(str(e))
     if as_json:
         print(json.dumps([c.to_dict() for c in found]))
         return
@@ -124,7 +121,7 @@ def checkpoints_stage(
         with progress:
             staged = stage_checkpoint(uri, local_dir, workers=workers, on_progress=on_progress)
     except StorageError as e:
-        _fail(str(e))
+        fail(str(e))
     for skipped in staged.skipped:
         print(f"skipped step {skipped.step}: {skipped.reason}", file=sys.stderr)
     print(

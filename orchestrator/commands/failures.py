@@ -8,24 +8,15 @@ from __future__ import annotations
 
 import json
 import sys
-from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 
+from orchestrator.commands.common import Output, OutputOpt, fail
+
 #: The classifier reads a log's tail; rank logs can be gigabytes, the cause is at the end.
 TAIL_LINES = 2000
-
-
-class Output(StrEnum):
-    table = "table"
-    json = "json"
-
-
-def _fail(message: str, code: int = 2) -> NoReturn:
-    print(f"error: {message}", file=sys.stderr)
-    raise typer.Exit(code)
 
 
 def _read_tail(path: str) -> str:
@@ -34,11 +25,11 @@ def _read_tail(path: str) -> str:
     else:
         p = Path(path)
         if not p.is_file():
-            _fail(f"log file {path!r} does not exist or is not a file")
+            fail(f"log file {path!r} does not exist or is not a file", 2)
         try:
             text = p.read_text(encoding="utf-8", errors="replace")
         except OSError as e:
-            _fail(f"cannot read log file {path!r}: {e.strerror}")
+            fail(f"cannot read log file {path!r}: {e.strerror}", 2)
     return "\n".join(text.splitlines()[-TAIL_LINES:])
 
 
@@ -61,7 +52,7 @@ def classify(
     try:
         result = classify_failure(exit_code, signal, text, notice_kind=notice)
     except ValueError as e:
-        _fail(f"--signal: {e}")
+        fail(f"--signal: {e}", 2)
     print(json.dumps(result.to_json_dict()))
 
 
@@ -77,18 +68,18 @@ def advise(
         float | None,
         typer.Option("--mtbf-hours", help="job MTBF; default: Llama 3's rate for --gpus"),
     ] = None,
-    output: Annotated[Output, typer.Option("--output", "-o")] = Output.table,
+    output: OutputOpt = Output.table,
 ) -> None:
     """Checkpoint interval (Young) and expected lost time."""
     from orchestrator.domain.advisor import advise as _advise
 
     for name, value in (("--gpus", gpus), ("--save-seconds", save_seconds)):
         if value <= 0:
-            _fail(f"{name} must be positive, got {value}")
+            fail(f"{name} must be positive, got {value}", 2)
     if restart_seconds < 0:
-        _fail(f"--restart-seconds must be >= 0, got {restart_seconds}")
+        fail(f"--restart-seconds must be >= 0, got {restart_seconds}", 2)
     if mtbf_hours is not None and mtbf_hours <= 0:
-        _fail(f"--mtbf-hours must be positive, got {mtbf_hours}")
+        fail(f"--mtbf-hours must be positive, got {mtbf_hours}", 2)
     a = _advise(gpus, save_seconds, restart_seconds, mtbf_hours)
     if output is Output.json:
         print(json.dumps(a.to_json_dict()))
@@ -119,24 +110,24 @@ def simulate(
     spot_per_day: Annotated[
         float, typer.Option("--spot-preemptions-per-day", help="add noticed spot reclaims")
     ] = 0.0,
-    output: Annotated[Output, typer.Option("--output", "-o")] = Output.table,
+    output: OutputOpt = Output.table,
 ) -> None:
     """Compare recovery policies under a failure model (discrete-event, seeded)."""
     from orchestrator.domain import simulator as sim
 
     if gpus <= 0:
-        _fail(f"--gpus must be positive, got {gpus}")
+        fail(f"--gpus must be positive, got {gpus}", 2)
     if days <= 0:
-        _fail(f"--days must be positive, got {days}")
+        fail(f"--days must be positive, got {days}", 2)
     if price < 0 or spot_per_day < 0:
-        _fail("--price-per-gpu-hour and --spot-preemptions-per-day must be >= 0")
+        fail("--price-per-gpu-hour and --spot-preemptions-per-day must be >= 0", 2)
     names = [m.value for m in sim.FailureModelName]
     if failure_model not in names:
-        _fail(f"--failure-model {failure_model!r} is not one of {', '.join(names)}")
+        fail(f"--failure-model {failure_model!r} is not one of {', '.join(names)}", 2)
     chosen = policy or list(sim.POLICIES)
     unknown = [p for p in chosen if p not in sim.POLICIES]
     if unknown:
-        _fail(f"--policy {unknown[0]!r} is not one of {', '.join(sim.POLICIES)}")
+        fail(f"--policy {unknown[0]!r} is not one of {', '.join(sim.POLICIES)}", 2)
     model = sim.failure_model(failure_model, spot_preemptions_per_day=spot_per_day)
     results = sim.compare({p: sim.POLICIES[p] for p in chosen}, model, gpus, days, seed, price)
     if output is Output.json:

@@ -7,16 +7,11 @@ down by restart-protocol step, the steps redone and what it cost.
 
 from __future__ import annotations
 
-from enum import StrEnum
 from typing import Annotated, Any
 
 import typer
 
-
-class Output(StrEnum):
-    table = "table"
-    json = "json"
-
+from orchestrator.commands.common import Client, Output, OutputOpt, console, print_json
 
 #: Column headers for the seven protocol steps (orchestrator.domain.protocol order).
 _STEP_HEADERS = (
@@ -50,16 +45,14 @@ def _share(part: float, whole: float) -> str:
 
 def goodput(
     job_id: Annotated[str, typer.Argument(help="job id")],
-    output: Annotated[Output, typer.Option("--output", "-o", help="table or json")] = Output.table,
+    output: OutputOpt = Output.table,
 ) -> None:
     """Effective training time of a job, and each incident's MTTR, steps lost and cost."""
     from rich.table import Table
 
-    from orchestrator.cli import Client, _print_json, console
-
     doc: dict[str, Any] = Client().request("GET", f"/v1/jobs/{job_id}/goodput")
     if output is Output.json:
-        _print_json(doc)
+        print_json(doc)
         return
 
     wall = doc["wall_seconds"]

@@ -17,23 +17,13 @@ import contextlib
 import io
 import json
 import re
-import sys
 from datetime import UTC, datetime
-from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import typer
 
-
-class Output(StrEnum):
-    table = "table"
-    json = "json"
-
-
-def _fail(message: str, code: int = 2) -> NoReturn:
-    print(f"error: {message}", file=sys.stderr)
-    raise typer.Exit(code)
+from orchestrator.commands.common import Output, OutputOpt, fail
 
 
 def _is_job_spec(doc: dict[str, Any]) -> bool:
@@ -79,20 +69,20 @@ def _load(path: Path) -> tuple[str, Any, Any]:
     try:
         text = path.read_bytes()
     except OSError as e:
-        _fail(f"cannot read {path}: {e.strerror}")
+        fail(f"cannot read {path}: {e.strerror}", 2)
     try:
         doc = load_yaml_document(text, what=str(path))
     except SpecError as e:
-        _fail(f"{path}: {e}")
+        fail(f"{path}: {e}", 2)
     if not isinstance(doc, dict):
-        _fail(f"{path}: expected a job spec or a SkyPilot task (a mapping)")
+        fail(f"{path}: expected a job spec or a SkyPilot task (a mapping)", 2)
     if not _is_job_spec(doc):
         spec, demand = _spec_from_skypilot_yaml(path)
         return "skypilot", spec, demand
     try:
         spec = validate_job_spec(doc)
     except SpecError as e:
-        _fail(f"{path}: {e}")
+        fail(f"{path}: {e}", 2)
     if spec.task.skypilot_yaml and not spec.accelerator_names:
         # The job's accelerators live in its SkyPilot YAML (relative to the spec).
         yaml_path = Path(spec.task.skypilot_yaml)
@@ -141,7 +131,7 @@ def plan(
             help="leave out a region (us-east-1 or aws/us-east-1); repeatable",
         ),
     ] = None,
-    output: Annotated[Output, typer.Option("--output", "-o")] = Output.table,
+    output: OutputOpt = Output.table,
     limit: Annotated[int, typer.Option("--limit", help="rows shown in the table")] = 10,
 ) -> None:
     """Rank where FILE's job would run (catalog only, no credentials needed)."""
@@ -167,13 +157,13 @@ def plan(
                     spec.accelerator_names, clouds=spec.clouds, regions=spec.regions
                 )
     except CatalogUnavailable as e:
-        _fail(str(e), 1)
+        fail(str(e), 1)
     except (UnknownAccelerator, LaunchError, ValueError) as e:
-        _fail(str(e))
+        fail(str(e), 2)
     now = datetime.now(UTC)
     ranking = rank(spec, candidates, [], now, exclude_regions=excluded)
     if not ranking.ranked:
-        _fail(f"no placement for {spec.name!r}: {ranking.why_empty()}")
+        fail(f"no placement for {spec.name!r}: {ranking.why_empty()}", 2)
     top = ranking.ranked[0].placement
     after = replacement_after_preemption(spec, candidates, [], now, top, exclude_regions=excluded)
     replacement = after.ranked[0] if after.ranked else None

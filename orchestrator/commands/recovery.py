@@ -13,6 +13,15 @@ from typing import Annotated, Any
 
 import typer
 
+from orchestrator.commands.common import (
+    Client,
+    Output,
+    OutputOpt,
+    console,
+    incident_table,
+    print_json,
+)
+
 chaos_app = typer.Typer(help="Inject failures into a job on the local launcher.")
 
 JobArg = Annotated[str, typer.Argument(help="job id")]
@@ -25,16 +34,8 @@ class Provider(StrEnum):
     azure = "azure"
 
 
-def _client():  # type: ignore[no-untyped-def]
-    from orchestrator.cli import Client
-
-    return Client()
-
-
 def _chaos(job: str, body: dict[str, Any]) -> None:
-    from orchestrator.cli import _print_json
-
-    _print_json(_client().request("POST", f"/v1/jobs/{job}/chaos", json=body))
+    print_json(Client().request("POST", f"/v1/jobs/{job}/chaos", json=body))
 
 
 @chaos_app.command("preempt")
@@ -117,52 +118,19 @@ def chaos_stockout(
     seconds: Annotated[float, typer.Option(min=0, help="how long; 0 lifts it")] = 600.0,
 ) -> None:
     """Make a local region refuse launches for lack of capacity, as a cloud does."""
-    from orchestrator.cli import _print_json
-
     body = {"region": region, "seconds": seconds}
-    _print_json(_client().request("POST", "/v1/chaos/stockout", json=body))
-
-
-def incident_table(items: list[dict[str, Any]]):  # type: ignore[no-untyped-def]
-    from rich.table import Table
-
-    from orchestrator.domain.protocol import ProtocolStep
-
-    short = {"confirm_checkpoint": "confirm", "select_replacement": "select"}
-    cols = [short.get(s.value, s.value) for s in ProtocolStep]
-    t = Table(
-        "#",
-        "CLASS",
-        "NODE",
-        "LOST",
-        "MTTR s",
-        *cols,
-        title="incidents (seconds per protocol step)",
-    )
-    for inc in items:
-        secs = {s["step"]: s["seconds"] for s in inc["steps"]}
-        t.add_row(
-            str(inc["id"]),
-            inc["failure_class"] or "",
-            (inc.get("node_id") or "").rsplit("-", 1)[-1],
-            "" if inc["steps_lost"] is None else str(inc["steps_lost"]),
-            "" if inc["mttr_s"] is None else f"{inc['mttr_s']:.1f}",
-            *("" if secs.get(s.value) is None else f"{secs[s.value]:.1f}" for s in ProtocolStep),
-        )
-    return t
+    print_json(Client().request("POST", "/v1/chaos/stockout", json=body))
 
 
 def register(app: typer.Typer) -> None:
-    from orchestrator.cli import Output, OutputOpt, _print_json, console
-
     app.add_typer(chaos_app, name="chaos")
 
     @app.command()
     def incidents(job: JobArg, output: OutputOpt = Output.table) -> None:
         """Failures the restart protocol handled: class, steps lost, MTTR by step."""
-        data = _client().request("GET", f"/v1/jobs/{job}/incidents")
+        data = Client().request("GET", f"/v1/jobs/{job}/incidents")
         if output is Output.json:
-            _print_json(data)
+            print_json(data)
         else:
             console.print(incident_table(data["items"]))
 
@@ -171,9 +139,9 @@ def register(app: typer.Typer) -> None:
         """Every launch of a job with its nodes and their ranks' last steps."""
         from rich.table import Table
 
-        data = _client().request("GET", f"/v1/jobs/{job}/attempts")
+        data = Client().request("GET", f"/v1/jobs/{job}/attempts")
         if output is Output.json:
-            _print_json(data)
+            print_json(data)
             return
         t = Table("ATTEMPT", "STATE", "WHERE", "NODES", "RESUMED", "STEPS", "ENDED BECAUSE")
         for a in data["items"]:

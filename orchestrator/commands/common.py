@@ -1,0 +1,167 @@
+"""What every CLI command shares: output format, consoles, errors, the REST client.
+
+This is the one module that ``orchestrator.cli``, the command modules in
+``orchestrator.commands`` and ``orchestrator.demo`` import helpers from. It imports
+nothing of theirs, so the import graph stays a DAG (cli -> commands.* -> common): a
+command module that reached back into ``orchestrator.cli`` would import the whole
+Typer app, and every other command module with it, before its own code ran.
+
+Heavy modules (httpx, pydantic, SQLAlchemy, the API's auth) are imported inside the
+functions that need them, so ``skyresume --help`` starts fast.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import StrEnum
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from orchestrator.settings import Settings
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+class Output(StrEnum):
+    """How a command prints its result: a table for people, JSON for scripts."""
+
+    table = "table"
+    json = "json"
+
+
+OutputOpt = Annotated[Output, typer.Option("--output", "-o", help="table or json")]
+
+#: HTTP statuses that mean "the request was wrong" (exit 2), not "the service failed".
+OPERATOR_ERROR_STATUSES = frozenset({400, 404, 409, 413, 415, 422})
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """Print one ``error:`` line and exit: the operator can fix this, no traceback.
+
+    Exit 2 for input the operator can correct, 1 for everything else."""
+    # No markup, emoji or wrapping: the message may hold paths, URIs and brackets,
+    # and scripts match on the single line.
+    err_console.print(
+        f"error: {message}", markup=False, highlight=False, emoji=False, soft_wrap=True
+    )
+    raise typer.Exit(code)
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """The service settings (environment, then ``overrides``); a bad value exits with
+    one line naming the setting instead of pydantic's multi-line report."""
+    from pydantic import ValidationError
+
+    from orchestrator.settings import Settings
+
+    try:
+        return Settings(**overrides)
+    except ValidationError as e:
+        first = e.errors()[0]
+        name = str(first["loc"][0]) if first["loc"] else "?"
+        fail(f"bad setting SKYRESUME_{name.upper()}: {first['msg']}", 2)
+
+
+def describe_error(r: Any) -> str:
+    """One line for an HTTP error response: the API's ``detail``, or FastAPI's
+    validation errors joined as ``field: message`` (the job spec's fields)."""
+    try:
+        detail = r.json().get("detail")
+    except ValueError:
+        return f"HTTP {r.status_code}: {r.text[:200]}"
+    if isinstance(detail, list):
+        parts = []
+        for d in detail:
+            loc = ".".join(str(p) for p in d.get("loc", []) if p != "body")
+            parts.append(f"{loc}: {d.get('msg')}" if loc else str(d.get("msg")))
+        return "invalid job spec: " + "; ".join(parts)
+    return str(detail)
+
+
+class Client:
+    """The REST client: one place that turns HTTP failures into operator messages."""
+
+    def __init__(self, url: str | None = None, token: str | None = None) -> None:
+        import httpx
+
+        from orchestrator.api.auth import read_client_token
+
+        settings = load_settings()
+        self.url = (url or settings.effective_service_url).rstrip("/")
+        self.token = token or read_client_token(settings)
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=30)
+
+    def request(self, method: str, path: str, **kw: Any) -> Any:
+        import httpx
+
+        try:
+            r = self.http.request(method, path, **kw)
+        except httpx.ConnectError:
+            fail(
+                f"cannot reach the skyresume service at {self.url} (is `skyresume serve` running?)"
+            )
+        except httpx.TimeoutException:
+            fail(f"the skyresume service at {self.url} did not answer in time")
+        except httpx.HTTPError as e:
+            fail(f"request to {self.url} failed: {e}")
+        if r.status_code == 401:
+            hint = "set SKYRESUME_TOKEN" if not self.token else "check SKYRESUME_TOKEN"
+            fail(f"the service rejected the token ({hint}; local mode keeps it in <home>/token)")
+        if r.status_code >= 400:
+            fail(describe_error(r), 2 if r.status_code in OPERATOR_ERROR_STATUSES else 1)
+        return r.json()
+
+
+def print_json(data: Any) -> None:
+    """Indented JSON on stdout (plain write: rich would colour and wrap it)."""
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def redact_url(url: str) -> str:
+    """A database URL fit to print: the password hidden, or a placeholder when the
+    URL cannot be parsed (printing it raw could leak the password)."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return "<unparseable URL>"
+
+
+def incident_table(items: list[dict[str, Any]]) -> Table:
+    """The incidents of ``GET /v1/jobs/{id}/incidents``: class, node, steps lost, MTTR
+    and seconds per protocol step (``skyresume incidents`` and the demo print it)."""
+    from rich.table import Table
+
+    from orchestrator.domain.protocol import ProtocolStep
+
+    short = {"confirm_checkpoint": "confirm", "select_replacement": "select"}
+    cols = [short.get(s.value, s.value) for s in ProtocolStep]
+    t = Table(
+        "#",
+        "CLASS",
+        "NODE",
+        "LOST",
+        "MTTR s",
+        *cols,
+        title="incidents (seconds per protocol step)",
+    )
+    for inc in items:
+        secs = {s["step"]: s["seconds"] for s in inc["steps"]}
+        t.add_row(
+            str(inc["id"]),
+            inc["failure_class"] or "",
+            (inc.get("node_id") or "").rsplit("-", 1)[-1],
+            "" if inc["steps_lost"] is None else str(inc["steps_lost"]),
+            "" if inc["mttr_s"] is None else f"{inc['mttr_s']:.1f}",
+            *("" if secs.get(s.value) is None else f"{secs[s.value]:.1f}" for s in ProtocolStep),
+        )
+    return t

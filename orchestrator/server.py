@@ -1,0 +1,170 @@
+"""Wiring the service for ``skyresume serve`` and the schema for ``skyresume db``.
+
+``skyresume serve`` is, in order: pick the port (:func:`bind_settings`), migrate the
+embedded database and build the app (:func:`build_service`), give it a launcher and a
+reconciler (:func:`attach_reconciler`), then run uvicorn with the reconciler started
+and release both when it returns (:func:`run_service`). The ``db`` commands move the
+schema with Alembic through :mod:`orchestrator.store.db` (:func:`migrate`,
+:func:`current_revision`).
+
+Nothing here prints or exits: a failure the operator can fix (a database that cannot
+be opened or migrated) raises :class:`DatabaseError`, and the CLI turns it into its
+one ``error:`` line. Every heavy import (FastAPI, SQLAlchemy, uvicorn, launchers)
+happens inside the function that needs it, so importing this module is as cheap as
+``skyresume --help`` must be.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from orchestrator.domain.reconcile import ReconcileConfig
+    from orchestrator.launchers.base import Launcher
+    from orchestrator.reconciler.loop import Reconciler
+    from orchestrator.settings import Settings
+
+
+class DatabaseError(RuntimeError):
+    """The database could not be opened, read or migrated; the message is the cause
+    (``ExceptionType: text``) without the URL, which the caller prints redacted."""
+
+    @classmethod
+    def of(cls, cause: Exception) -> DatabaseError:
+        # Drivers report on several lines (psycopg adds a hint, SQLAlchemy a link);
+        # the operator gets one line, so scripts and logs keep one record per failure.
+        return cls(" ".join(f"{type(cause).__name__}: {cause}".split()))
+
+
+@dataclass
+class Service:
+    """A built service, not yet serving: what :func:`run_service` runs and releases."""
+
+    settings: Settings
+    app: FastAPI
+    reconciler: Reconciler | None
+    cleanup: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    """Releases what the launcher holds (run on exit, after the reconciler stops)."""
+
+
+def bind_settings(settings: Settings) -> Settings:
+    """``settings`` with a concrete port when port 0 ("any free port") was asked for
+    and the reconciler runs: agents are told where the service is before uvicorn
+    binds, so the port must be known first."""
+    if settings.port != 0 or not settings.reconcile:
+        return settings
+    from orchestrator.launchers.local import free_port
+
+    return settings.model_copy(update={"port": free_port()})
+
+
+def build_service(settings: Settings) -> Service:
+    """Migrate the embedded database (when the settings say so), build the app and,
+    when the reconciler is on, attach it with its launcher (not started)."""
+    from orchestrator.api.app import create_app
+    from orchestrator.store import db
+
+    try:
+        if settings.should_auto_migrate:
+            db.upgrade(settings.effective_database_url)
+        app = create_app(settings)
+    except Exception as e:  # any driver's error: the operator fixes the URL or the server
+        raise DatabaseError.of(e) from e
+    service = Service(settings=settings, app=app, reconciler=None)
+    if settings.reconcile:
+        service.reconciler = attach_reconciler(app, service.cleanup)
+    return service
+
+
+def run_service(service: Service) -> None:
+    """Serve until uvicorn returns (Ctrl-C, SIGTERM), the reconciler running meanwhile;
+    then stop the reconciler and release the launcher, in that order."""
+    import uvicorn
+
+    settings = service.settings
+    with service.cleanup:
+        if service.reconciler is not None:
+            service.reconciler.start()
+            # Registered last, so it runs first: no reconcile pass may use a launcher
+            # that has already been released.
+            service.cleanup.callback(service.reconciler.stop)
+        uvicorn.run(service.app, host=settings.host, port=settings.port, log_level="warning")
+
+
+def make_launcher(settings: Settings, token: str, cleanup: contextlib.ExitStack) -> Launcher:
+    """The launcher ``settings.launcher`` names, its release registered on ``cleanup``.
+
+    Whoever builds a launcher knows what it holds: the local one runs a metadata
+    simulator (an HTTP server thread) that must stop with the service; the SkyPilot
+    one holds nothing of its own (SkyPilot's API server outlives us by design). So
+    the release is registered here, on the concrete type, instead of the caller
+    probing every launcher for a ``close`` that only one of them has."""
+    from orchestrator.api.auth import job_token
+
+    if settings.launcher == "local":
+        from orchestrator.launchers.local import LocalLauncher
+
+        local = LocalLauncher(
+            settings.home / "local-nodes",
+            settings.effective_service_url,
+            lambda job_id: job_token(token, job_id),
+            provider=settings.local_provider,
+            gpu_memory_gib=settings.local_gpu_memory_gib,
+            replacement_gpu_memory_gib=settings.local_replacement_gpu_memory_gib,
+            regions=tuple(settings.local_regions.split(",")),
+            hosts_per_region=settings.local_hosts_per_region,
+        )
+        cleanup.callback(local.close)
+        return local
+    from orchestrator.launchers.skypilot import SkyPilotLauncher
+
+    return SkyPilotLauncher(settings=settings, token_for=lambda j: job_token(token, j))
+
+
+def attach_reconciler(
+    app: FastAPI, cleanup: contextlib.ExitStack, config: ReconcileConfig | None = None
+) -> Reconciler:
+    """Give ``app`` a launcher (for chaos and status) and a reconciler, not yet started;
+    the launcher's release goes on ``cleanup``."""
+    from orchestrator.domain.reconcile import ReconcileConfig
+    from orchestrator.reconciler.loop import Reconciler
+
+    settings: Settings = app.state.settings
+    launcher = make_launcher(settings, app.state.token, cleanup)
+    app.state.launcher = launcher
+    rec = Reconciler(
+        sessionmaker=app.state.sessionmaker,
+        launcher=launcher,
+        service_url=settings.effective_service_url,
+        config=config or ReconcileConfig(),
+        interval_s=settings.reconcile_interval_s,
+    )
+    app.state.reconciler = rec
+    return rec
+
+
+def migrate(url: str, action: Literal["upgrade", "downgrade"], revision: str) -> str | None:
+    """Move the schema of ``url`` to ``revision``; the revision it is at afterwards
+    (None: base, an empty schema)."""
+    from orchestrator.store import db
+
+    move = db.upgrade if action == "upgrade" else db.downgrade
+    try:
+        move(url, revision)
+        return db.current_revision(url)
+    except Exception as e:  # Alembic's, the driver's: the message is the diagnosis
+        raise DatabaseError.of(e) from e
+
+
+def current_revision(url: str) -> str | None:
+    """The schema revision of ``url`` (None: base, an empty schema)."""
+    from orchestrator.store import db
+
+    try:
+        return db.current_revision(url)
+    except Exception as e:
+        raise DatabaseError.of(e) from e
