@@ -17,7 +17,14 @@ agent's cost in steps/s, all measured in one run on this machine.
    ``skyresume-agent`` vs under bare torchrun (same static rendezvous, script and
    flags), from the checkpoints' commit times; rounds alternated, best of each.
 
-Ends with one JSON line: ``{"bench": "recovery", ...}``.
+``--remedies`` instead measures each failure class's remedy, one job each on one
+service (in one run): a preemption (the baseline: save, release, new placement), a
+transport error (restart in place), a CUDA OOM (memory re-plan), a persistent loss
+spike (rollback before the onset), an Xid (the host excluded) and a hung rank (stacks
+taken, restart). It prints each incident's MTTR by protocol step and its ratio to the
+preemption's, measured in the same run.
+
+Ends with one JSON line: ``{"bench": "recovery", ...}`` (``"recovery-remedies"``).
 """
 
 from __future__ import annotations
@@ -298,11 +305,97 @@ def agent_steps_per_s(tmp: Path, steps: int) -> float:
     return _commit_rate(ckpt, 20, steps - 10)
 
 
+#: (name, chaos body, extra command flags, spec changes) per remedy measured.
+REMEDIES: list[tuple[str, dict[str, Any], str, dict[str, Any]]] = [
+    ("preemption", {"action": "preempt", "node": 1}, "", {}),
+    ("transport", {"action": "transport", "node": 0, "rank": 0}, "", {}),
+    (
+        "oom",
+        {"action": "oom", "node": 0, "rank": 0},
+        "",
+        {
+            "model": {
+                "parameters": 200_000,
+                "layers": 1,
+                "hidden_size": 64,
+                "heads": 2,
+                "seq_len": 32,
+                "global_batch": 8,
+                "micro_batch": 2,
+                "dtype": "fp32",
+            }
+        },
+    ),
+    ("spike", {"action": "spike", "node": 0}, "", {}),
+    ("xid", {"action": "xid", "node": 1, "rank": 2}, "", {}),
+    ("hang", {"action": "hang-rank", "node": 1, "rank": 3}, "", {"heartbeat_timeout_s": 8}),
+]
+
+
+def remedy_incidents(tmp: Path, deadline: float) -> dict[str, dict]:
+    """One job per remedy on one service; the first incident of each."""
+    svc = DemoService(tmp, env={"SKYRESUME_LOCAL_GPU_MEMORY_GIB": "80"})  # the OOM job plans
+    out: dict[str, dict] = {}
+    try:
+        http = svc.wait_ready()
+        for name, chaos, flags, changes in REMEDIES:
+            home = tmp / name
+            home.mkdir()
+            spec = job_spec(home, 2000)
+            spec["task"]["command"] += flags
+            for k, v in changes.items():
+                if k in ("heartbeat_timeout_s",):
+                    spec["restarts"][k] = v
+                else:
+                    spec[k] = v
+            job = api_post(http, "/v1/jobs", spec)["id"]
+            wait_for(http, job, "step 25", lambda st, n, v, s: v is not None and s >= 25, deadline)
+            api_post(http, f"/v1/jobs/{job}/chaos", chaos)
+            wait_for(http, job, name, lambda st, n, v, s: n >= 2 and v is not None, deadline)
+            inc = api_get(http, f"/v1/jobs/{job}/incidents")["items"][0]
+            out[name] = inc
+            steps = ", ".join(
+                f"{x['step']} {x['seconds']:.2f}" for x in inc["steps"] if x["seconds"]
+            )
+            print(
+                f"{name}: {inc['failure_class']} -> {inc['remedy']}: MTTR {inc['mttr_s']:.1f} s, "
+                f"{inc['steps_lost']} steps lost ({steps})",
+                flush=True,
+            )
+            http.post(f"/v1/jobs/{job}/cancel")
+            time.sleep(3)
+        return out
+    finally:
+        svc.stop()
+
+
+def main_remedies() -> None:
+    deadline = time.monotonic() + 2400
+    with tempfile.TemporaryDirectory(prefix="bench-remedies-") as d:
+        incs = remedy_incidents(Path(d), deadline)
+    base = incs["preemption"]["mttr_s"]
+    doc: dict[str, Any] = {"bench": "recovery-remedies", "preemption_mttr_s": round(base, 2)}
+    for name, inc in incs.items():
+        doc[name] = {
+            "class": inc["failure_class"],
+            "remedy": inc["remedy"],
+            "mttr_s": round(inc["mttr_s"], 2),
+            "over_preemption": round(inc["mttr_s"] / base, 3),
+            "steps_lost": inc["steps_lost"],
+            "by_step_s": {s["step"]: round(s["seconds"] or 0, 2) for s in inc["steps"]},
+        }
+    print(json.dumps(doc))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200, help="steps of the throughput runs")
     p.add_argument("--rounds", type=int, default=3, help="throughput rounds (best taken)")
+    p.add_argument("--remedies", action="store_true", help="MTTR by step of each remedy")
     args = p.parse_args()
+    if args.remedies:
+        main_remedies()
+        return
     deadline = time.monotonic() + 1800
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as d:
         tmp = Path(d)

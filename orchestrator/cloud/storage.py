@@ -710,14 +710,18 @@ def stage_checkpoint(
     workers: int = 16,
     part_size: int = 16 << 20,
     on_progress: Callable[[int, int], None] | None = None,
+    at_most: int | None = None,
 ) -> StagedCheckpoint:
-    """Download the newest complete checkpoint under ``uri`` into ``local_dir/step_<N>``.
+    """Download the newest complete checkpoint under ``uri`` into ``local_dir/step_<N>``
+    (with ``at_most``, the newest at or before that step: a rollback past an anomaly).
 
     Verified local files are kept (resume). A checkpoint whose objects fail their
     checksum is skipped and the next-newest complete one is tried; StorageError
     when none can be staged, naming each checkpoint and why.
     """
     store, found = _scan(uri)
+    if at_most is not None:
+        found = [f for f in found if f[0].step <= at_most]
     candidates = [f for f in reversed(found) if f[0].complete]
     skipped = [info for info, _, _ in reversed(found) if not info.complete]
     lock = threading.Lock()

@@ -234,7 +234,7 @@ class Reconciler:
         for k in range(rows.spec.num_nodes):
             dest = Path(self.launcher.node_disk(rows.job.id, action.number, k)) / "staged"
             try:
-                got = stage_checkpoint(base, str(dest))
+                got = stage_checkpoint(base, str(dest), at_most=want)
             except (StorageError, ManifestError, OSError) as e:
                 work.finish_step(
                     s, inc, step, StepOutcome.FAILED,

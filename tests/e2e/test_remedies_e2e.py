@@ -32,7 +32,10 @@ TINY = {
 
 @pytest.fixture
 def service(tmp_path):  # type: ignore[no-untyped-def]
-    svc = DemoService(tmp_path, env={"SKYRESUME_LOCAL_REGIONS": "local-a,local-b"})
+    # Two regions (a stockout has somewhere to go), and nodes that declare a GPU's
+    # memory, so a job with a model profile gets planned knobs.
+    env = {"SKYRESUME_LOCAL_REGIONS": "local-a,local-b", "SKYRESUME_LOCAL_GPU_MEMORY_GIB": "80"}
+    svc = DemoService(tmp_path, env=env)
     http = svc.wait_ready()
     yield http
     svc.stop()
