@@ -123,6 +123,7 @@ class EventKind(StrEnum):
     RANK_HANG = "rank_hang"  # the reconciler: ranks made no progress for the timeout
     STUCK = "stuck"  # the reconciler: an attempt never validated
     LAUNCH_FAILED = "launch_failed"  # the launcher refused or failed a launch
+    REPLANNED = "replanned"  # a refused launch's attempt moved to the next placement
     INCIDENT = "incident"  # one per failed attempt; its protocol steps hang off it
     CHECKPOINT_CONFIRMED = "checkpoint_confirmed"  # CONFIRM's finding
     CHECKPOINT_INTERVAL = "checkpoint_interval"  # a new interval pushed to the ranks

@@ -220,9 +220,9 @@ def replan_attempt(
         s,
         job_id,
         idempotency_key=f"replan-a{number}-{p.cloud}-{p.region}-{p.instance_type}",
-        kind=EventKind.LAUNCH_FAILED,
+        kind=EventKind.REPLANNED,
         message=f"attempt {number} re-planned: {reason}",
-        details={"attempt": number, "replanned": True, "cloud": p.cloud, "region": p.region,
+        details={"attempt": number, "cloud": p.cloud, "region": p.region,
                  "instance_type": p.instance_type},
         now=now,
     )  # fmt: skip

@@ -346,3 +346,41 @@ def test_a_replacement_with_less_gpu_memory_gets_replanned_knobs_and_the_same_gl
         assert "for 40 GiB" in sel.detail
     finally:
         w.engine.dispose()
+
+
+def test_a_loss_spike_rolls_back_past_newer_checkpoints_and_stages_the_older_one(world):
+    """Checkpoints at 10..40, a spike that began at step 30: the ranks resume from
+    step 20, staged and verified, although 30 and 40 are complete."""
+    w = world
+    start_running(w)
+    for step in (10, 20, 30, 40):
+        write_checkpoint(w.ckpt, step)
+    w.report(
+        1, 0,
+        {"key": "s", "kind": "anomaly", "rank": 0, "finding": "loss_spike", "step": 30},
+    )  # fmt: skip
+    w.tick()
+    assert w.status() == "RECOVERING"
+    for k in range(2):
+        w.report(1, k, {"key": "x", "kind": "node_exit", "exit_code": 75, "reason": "stopped"})
+    w.run_until("PROVISIONING")
+    req = w.launcher.launched[-1]
+    assert req.env[Env.RESUME_FROM] == "{node_disk}/staged/step_20"
+    assert req.env[Env.EXPECTED_STEP] == "20"
+    staged = w.launcher.node_disk(w.job, 2, 0) / "staged"
+    assert [p.name for p in staged.iterdir()] == ["step_20"]
+    (inc,) = incidents(w.sm(), w.job)
+    assert inc["failure_class"] == "loss_spike" and inc["remedy"] == "rollback_last_good"
+
+
+def test_a_launch_refused_for_capacity_is_replanned_into_the_next_region(world):
+    w = world
+    w.launcher.stocked_out.add("r1")
+    w.tick()  # attempt 1 recorded in r1
+    w.tick()  # refused: InsufficientInstanceCapacity
+    w.tick(10)  # after the backoff: re-planned into r2
+    w.tick()  # started
+    with w.sm() as s:
+        (a,) = s.query(Attempt).filter_by(job_id=w.job).all()
+        assert (a.region, a.state) == ("r2", "running")
+    assert [r.placement.region for r in w.launcher.launched] == ["r2"]
