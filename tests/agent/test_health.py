@@ -214,3 +214,37 @@ def test_a_store_that_accepts_but_never_answers_fails_at_the_timeout(monkeypatch
     assert (
         r.status is S.FAIL and r.detail == "s3://ckpt-bucket/job1: no answer to a list call in 2 s"
     )
+
+
+# --- the agent's flags for the checks ------------------------------------------------
+
+BASE_ARGV = ["--job-id", "j", "--attempt", "1", "--node-id", "n0", "--local-dir", "/tmp/x"]
+
+
+def test_health_flags_default_from_the_run_environment_and_flags_win(monkeypatch):
+    from orchestrator.agent.main import parse_args
+
+    cfg = parse_args([*BASE_ARGV, "--", "python", "t.py"])
+    assert (cfg.health_checks, cfg.expect_gpus, cfg.min_free_disk_gb) == (True, 0, 1.0)
+    monkeypatch.setenv(hc.EXPECT_GPUS_ENV, "8")
+    monkeypatch.setenv(hc.MIN_FREE_DISK_GB_ENV, "250")
+    monkeypatch.setenv(hc.HEALTH_CHECKS_ENV, "off")
+    cfg = parse_args([*BASE_ARGV, "--", "python", "t.py"])
+    assert (cfg.health_checks, cfg.expect_gpus, cfg.min_free_disk_gb) == (False, 8, 250.0)
+    cfg = parse_args([*BASE_ARGV, "--expect-gpus", "4", "--health-checks", "on", "--", "x"])
+    assert (cfg.health_checks, cfg.expect_gpus) == (True, 4)
+
+
+@pytest.mark.parametrize(
+    ("flags", "msg"),
+    [
+        (["--expect-gpus", "-1"], "--expect-gpus must be >= 0"),
+        (["--min-free-disk-gb", "nan"], "--min-free-disk-gb must be >= 0"),
+        (["--max-clock-skew-s", "0"], "--max-clock-skew-s must be a positive number"),
+    ],
+)
+def test_bad_health_flags_are_refused_by_name(flags, msg):
+    from orchestrator.agent.main import UsageError, parse_args
+
+    with pytest.raises(UsageError, match=msg):
+        parse_args([*BASE_ARGV, *flags, "--", "python", "t.py"])
