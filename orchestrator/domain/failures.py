@@ -480,6 +480,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         # NCCL's RAS report: some ranks are behind the others in the same collective.
         r"ranks have different \w+ operation counts",
         r"ranks have launched up to operation",
+        r"for GPU \d+ which is below the threshold",
     )
     + _r(
         _F.HEALTH_CHECK_FAILED,
@@ -722,11 +723,12 @@ def _jump(
     """
     base = mad = 0.0
     above: list[str] = []
-    # One prior point is trend enough for a 10x jump; anything less needs two.
+    # One prior point is trend enough for a 10x jump, or for a rise that then holds
+    # for one point more than usual; from two prior points on, the usual rule.
+    need = persist
     for i in range(1, len(points)):
-        if i < _MIN_PRIOR and single is None:
-            continue
         if not above:
+            need = persist + 1 if i < _MIN_PRIOR else persist
             prior = [v for v, _ in points[max(0, i - _SPIKE_WINDOW) : i]]
             base = _median(prior)
             mad = _median([abs(v - base) for v in prior])
@@ -735,10 +737,8 @@ def _jump(
         if rise > max(_SPIKE_MADS * mad, relative * abs(base), 1e-9):
             if single is not None and rise > single * max(abs(base), mad, 1e-9):
                 return line
-            if i < _MIN_PRIOR:
-                continue
             above.append(line)
-            if len(above) >= persist:
+            if len(above) >= need:
                 return above[0]
     return None
 
@@ -784,7 +784,7 @@ def _step_time_slowdown(lines: list[str]) -> str | None:
 
 # "Rank 3 ... time cost 23.3", "GPU 0 ... 6698 GFlops", "(ADAPTER#0) Ending with 6698
 # GFlops": one value per entity; times are slow when high, throughputs when low.
-_ENTITY = re.compile(r"\b(rank|gpu|adapter|node|device)\s*[#:]?\s*(\d+)\b", re.IGNORECASE)
+_ENTITY = re.compile(r"\b(rank|gpu|adapter|node|device|cuda)\s*[#:]?\s*(\d+)\b", re.IGNORECASE)
 _THROUGHPUT = re.compile(
     rf"({_NUM})\s*(?:T|G)?(?:FLOPS|flop/s|samples/s|tokens/s|it/s|GB/s)\b", re.IGNORECASE
 )
