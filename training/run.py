@@ -817,7 +817,8 @@ class Run:
         if finding is not None:
             self.findings.append(finding)
             if self.rank == 0:  # one report per finding, not one per rank
-                self._anomaly("straggler", finding.evidence)
+                # Which rank is slow, so the service can blame its node, not rank 0's.
+                self._anomaly("straggler", finding.evidence, slow_rank=slowest)
 
     def _check_reference(self) -> None:
         import torch

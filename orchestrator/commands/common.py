@@ -137,7 +137,7 @@ def redact_url(url: str) -> str:
 
 
 def incident_table(items: list[dict[str, Any]]) -> Table:
-    """The incidents of ``GET /v1/jobs/{id}/incidents``: class, node, steps lost, MTTR
+    """The incidents of ``GET /v1/jobs/{id}/incidents``: class, remedy, node, steps lost, MTTR
     and seconds per protocol step (``skyresume incidents`` and the demo print it)."""
     from rich.table import Table
 
@@ -148,6 +148,7 @@ def incident_table(items: list[dict[str, Any]]) -> Table:
     t = Table(
         "#",
         "CLASS",
+        "REMEDY",
         "NODE",
         "LOST",
         "MTTR s",
@@ -159,6 +160,7 @@ def incident_table(items: list[dict[str, Any]]) -> Table:
         t.add_row(
             str(inc["id"]),
             inc["failure_class"] or "",
+            inc.get("remedy") or "",
             (inc.get("node_id") or "").rsplit("-", 1)[-1],
             "" if inc["steps_lost"] is None else str(inc["steps_lost"]),
             "" if inc["mttr_s"] is None else f"{inc['mttr_s']:.1f}",

@@ -23,7 +23,7 @@ from typing import Annotated, Any
 
 import typer
 
-from orchestrator.commands.common import Output, OutputOpt, fail
+from orchestrator.commands.common import Output, OutputOpt, err_console, fail, load_settings
 
 
 def _is_job_spec(doc: dict[str, Any]) -> bool:
@@ -59,6 +59,42 @@ def _spec_from_skypilot_yaml(path: Path) -> tuple[Any, Any]:
         return validate_job_spec(doc), demand
     except SpecError as e:
         raise ValueError(f"{path}: cannot plan this SkyPilot task: {e}") from None
+
+
+def service_history() -> list[Any]:
+    """The placement failures the service's planner weighs (``GET
+    /v1/placement-history``), so this plan ranks as the live SELECT step does. A
+    service that cannot be reached leaves the history empty, said on stderr."""
+    import httpx
+
+    from orchestrator.api.auth import read_client_token
+    from orchestrator.domain.planner import FailureRecord
+
+    settings = load_settings()
+    url = settings.effective_service_url.rstrip("/")
+    token = read_client_token(settings)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        r = httpx.get(f"{url}/v1/placement-history", headers=headers, timeout=5)
+        r.raise_for_status()
+        items = r.json()["items"]
+        out = [
+            FailureRecord(
+                i["cloud"], i["region"], i["instance_type"],
+                datetime.fromisoformat(i["at"]), i["failure_class"],
+            )
+            for i in items
+        ]  # fmt: skip
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+        err_console.print(
+            f"note: no failure history ({url} unreachable or refused: {type(e).__name__}); "
+            "ranked by the catalog alone",
+            markup=False,
+            highlight=False,
+        )
+        return []
+    err_console.print(f"note: ranked with {len(out)} placement failures from {url}", markup=False)
+    return out
 
 
 def _load(path: Path) -> tuple[str, Any, Any]:
@@ -133,6 +169,13 @@ def plan(
     ] = None,
     output: OutputOpt = Output.table,
     limit: Annotated[int, typer.Option("--limit", help="rows shown in the table")] = 10,
+    history: Annotated[
+        bool,
+        typer.Option(
+            "--history/--no-history",
+            help="rank with the service's placement failure history, as the live SELECT does",
+        ),
+    ] = True,
 ) -> None:
     """Rank where FILE's job would run (catalog only, no credentials needed)."""
     from orchestrator.domain.planner import rank, replacement_after_preemption
@@ -161,11 +204,14 @@ def plan(
     except (UnknownAccelerator, LaunchError, ValueError) as e:
         fail(str(e), 2)
     now = datetime.now(UTC)
-    ranking = rank(spec, candidates, [], now, exclude_regions=excluded)
+    past = service_history() if history else []
+    # A task YAML's ``ordered:`` options are numbered by the catalog: a strict preference.
+    strict = any(o[3] > 0 for o in demand.options) if demand is not None else None
+    ranking = rank(spec, candidates, past, now, exclude_regions=excluded, strict_preference=strict)
     if not ranking.ranked:
         fail(f"no placement for {spec.name!r}: {ranking.why_empty()}", 2)
     top = ranking.ranked[0].placement
-    after = replacement_after_preemption(spec, candidates, [], now, top, exclude_regions=excluded)
+    after = replacement_after_preemption(spec, candidates, past, now, top, exclude_regions=excluded)
     replacement = after.ranked[0] if after.ranked else None
 
     if output is Output.json:

@@ -121,7 +121,8 @@ def gather_snapshot(
     failures: tuple[rc.Failure, ...] = ()
     if attempt is not None:
         view = _attempt_view(s, job_id, attempt, now, launcher)
-        failures = tuple(_failures(s, job_id, attempt.number))
+        ranks = {r.rank: n.node_id for n in view.nodes for r in n.ranks}
+        failures = tuple(_failures(s, job_id, attempt.number, ranks))
     incident, past = _incidents(s, job_id)
     status = JobStatus(job.status)
     listing = None
@@ -269,7 +270,9 @@ def _attempt_view(
     )
 
 
-def _failures(s: Session, job_id: str, number: int) -> list[rc.Failure]:
+def _failures(
+    s: Session, job_id: str, number: int, nodes_of_ranks: dict[int, str]
+) -> list[rc.Failure]:
     rows = s.scalars(
         select(FailureEvent)
         .where(
@@ -295,14 +298,21 @@ def _failures(s: Session, job_id: str, number: int) -> list[rc.Failure]:
         if e.kind == EventKind.ANOMALY and e.failure_class is None:
             continue
         step = d.get("onset_step", d.get("step")) if e.kind == EventKind.ANOMALY else None
+        rank, node_id = e.rank, e.node_id
+        slow = (
+            (d.get("detail") or {}).get("slow_rank") if isinstance(d.get("detail"), dict) else None
+        )
+        if cls is FailureClass.SLOW_PEER and isinstance(slow, int):
+            # Rank 0 reports every straggler: the failure is the slow rank's, on its node.
+            rank, node_id = slow, nodes_of_ranks.get(slow, node_id)
         out.append(
             rc.Failure(
                 event_id=e.id,
                 kind=e.kind,
                 failure_class=cls,
                 occurred_at=utc(e.occurred_at) or repo.utcnow(),
-                node_id=e.node_id,
-                rank=e.rank,
+                node_id=node_id,
+                rank=rank,
                 exit_code=code if isinstance(code, int) else None,
                 message=e.message or "",
                 signature=d.get("signature") if isinstance(d.get("signature"), str) else None,

@@ -405,11 +405,12 @@ def test_placement_for_a_job_with_its_own_skypilot_yaml_plans_the_yamls_options(
         "checkpoint": {"uri": "s3://bucket/c"},
     }
     p = SkyPilotLauncher().placement_for(validate_job_spec(doc))
-    # ordered.yaml allows A100-80GB on gcp/us-central1 or A100 on AWS; AWS us-west-2 wins
+    # ordered.yaml prefers A100-80GB on gcp/us-central1, then A100 on AWS: ordered is a
+    # strict preference (SkyPilot's semantics), so GCP wins although AWS is cheaper
     assert (p.cloud, p.region, p.instance_type, p.num_nodes) == (
-        "aws",
-        "us-west-2",
-        "p4d.24xlarge",
+        "gcp",
+        "us-central1",
+        "a2-ultragpu-8g",
         4,
     )
 

@@ -64,7 +64,9 @@ def test_table_for_a_plain_skypilot_yaml_with_an_excluded_region(runtime):
     assert "rejected: 1 by excluded" in out
     # ordered options keep their infra: no A100-80GB on AWS, nothing GCP but us-central1
     assert "p4de" not in out and "europe-west4" not in out
-    assert "after a preemption in aws/us-east-1: gcp/us-central1 a2-ultragpu-8g" in out
+    # ordered is a strict preference (SkyPilot's semantics): GCP's 80 GB A100s first,
+    # whatever their price, and AWS only after GCP took the nodes back.
+    assert "after a preemption in gcp/us-central1: aws/us-east-1 p4d.24xlarge" in out
 
 
 def test_without_a_catalog_it_says_how_to_get_one(tmp_path):

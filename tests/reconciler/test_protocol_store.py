@@ -384,3 +384,24 @@ def test_a_launch_refused_for_capacity_is_replanned_into_the_next_region(world):
         (a,) = s.query(Attempt).filter_by(job_id=w.job).all()
         assert (a.region, a.state) == ("r2", "running")
     assert [r.placement.region for r in w.launcher.launched] == ["r2"]
+
+
+def test_a_straggler_reported_by_rank_0_is_blamed_on_the_slow_rank_s_node(world):
+    w = world
+    start_running(w)
+    for k, step in enumerate((40, 50)):
+        body = {"key": f"s{k}", "kind": "anomaly", "rank": 0, "finding": "slow_peer",
+                "step": step, "detail": {"kind": "straggler", "slow_rank": 2}}  # fmt: skip
+        w.report(1, 0, body)
+        w.tick()
+        assert w.status() == "RUNNING"  # two slow windows are noise
+    body = {"key": "s2", "kind": "anomaly", "rank": 0, "finding": "slow_peer", "step": 60,
+            "detail": {"kind": "straggler", "slow_rank": 2}}  # fmt: skip
+    w.report(1, 0, body)
+    w.tick()
+    assert w.status() == "RECOVERING"
+    (inc,) = incidents(w.sm(), w.job)
+    assert inc["failure_class"] == "slow_peer" and inc["node_id"] == f"{w.job}-a1-n1"
+    w.tick()
+    (cmd,) = w.commands()
+    assert cmd.type == "checkpoint_and_stop"  # every node is alive: save first
