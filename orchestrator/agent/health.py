@@ -15,6 +15,12 @@ Checks (each fails on what it names, and is skipped where it does not apply):
   Skipped when the run has no ``CHECKPOINT_URI``.
 * ``clock``: the node's clock and the service's ``Date`` header differ by more than
   the limit. Skipped without a service.
+* ``allreduce_bandwidth`` (optional, after the others passed): a short all-reduce
+  across the nodes (``allreduce_check.py``, one process per node) is slower than the
+  job's threshold. Skipped without a threshold or with one node. The figure is the
+  group's (a ring is as fast as its slowest link, and two nodes cannot say which end
+  is slow), so every node of a slow group fails it; a peer that never joined makes
+  it ``unknown`` here (that peer is the one to blame, and it says so itself).
 
 A check that cannot be read is ``unknown``, never ``pass``: a node whose clock was not
 compared (the service did not answer in time) must not look checked. ``unknown``
@@ -27,6 +33,7 @@ Stdlib only at import (the agent's rule): the object-store code is imported insi
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -46,6 +53,7 @@ HEALTH_CHECKS_ENV = "SKYRESUME_AGENT_HEALTH_CHECKS"  # "on" | "off"
 EXPECT_GPUS_ENV = "SKYRESUME_AGENT_EXPECT_GPUS"
 MIN_FREE_DISK_GB_ENV = "SKYRESUME_AGENT_MIN_FREE_DISK_GB"
 MAX_CLOCK_SKEW_S_ENV = "SKYRESUME_AGENT_MAX_CLOCK_SKEW_S"
+MIN_ALLREDUCE_GBPS_ENV = "SKYRESUME_AGENT_MIN_ALLREDUCE_GBPS"
 
 #: Floor for the checkpoint tier when the service sends no estimate.
 DEFAULT_MIN_FREE_DISK_GB = 1.0
@@ -394,6 +402,70 @@ def run_checks(
                 or CheckResult(name, CheckStatus.UNKNOWN, "the check did not finish in time")
             )
     return out
+
+
+# --- all-reduce bandwidth across the nodes ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class AllreduceSpec:
+    min_gbps: float
+    """Bus bandwidth the job needs, GB/s; 0 = no check."""
+    rank: int
+    world: int
+    addr: str
+    port: int
+    mib: float = 64.0
+    iters: int = 3
+    join_timeout_s: float = 60.0
+    """How long to wait for every node to join (nodes start at different times)."""
+
+
+def check_allreduce(
+    spec: AllreduceSpec, *, python: str, env: dict[str, str] | None = None
+) -> CheckResult:
+    """The group's all-reduce bus bandwidth against the job's threshold."""
+    name = "allreduce_bandwidth"
+    if spec.min_gbps <= 0:
+        return CheckResult(name, CheckStatus.SKIP, "the job sets no bandwidth threshold")
+    if spec.world < 2:
+        return CheckResult(name, CheckStatus.SKIP, "one node: no link to measure")
+    argv = [
+        python, "-m", "orchestrator.agent.allreduce_check",
+        "--rank", str(spec.rank), "--world", str(spec.world),
+        "--addr", spec.addr, "--port", str(spec.port),
+        "--mib", f"{spec.mib:g}", "--iters", str(spec.iters),
+        "--timeout-s", f"{spec.join_timeout_s:g}",
+    ]  # fmt: skip
+    try:
+        out = subprocess.run(
+            argv, capture_output=True, text=True, env=env, timeout=spec.join_timeout_s + 60
+        )
+    except subprocess.TimeoutExpired:
+        return CheckResult(name, CheckStatus.UNKNOWN, "the all-reduce check did not finish")
+    except OSError as e:
+        return CheckResult(name, CheckStatus.UNKNOWN, f"could not run the check: {e}")
+    doc: dict[str, Any] = {}
+    for line in reversed(out.stdout.splitlines()):
+        with contextlib.suppress(ValueError):
+            got = json.loads(line)
+            if isinstance(got, dict):
+                doc = got
+                break
+    if "error" in doc or "busbw_gbps_slowest" not in doc:
+        why = doc.get("error") or _first_lines(out.stderr or out.stdout)
+        return CheckResult(name, CheckStatus.UNKNOWN, f"no measurement: {why}"[:1000])
+    gbps = float(doc["busbw_gbps_slowest"])
+    data = {**doc, "min_gbps": spec.min_gbps}
+    what = (
+        f"{gbps:.3f} GB/s bus bandwidth ({doc.get('backend')}, {spec.world} nodes, "
+        f"{spec.mib:g} MiB)"
+    )
+    if gbps < spec.min_gbps:
+        return CheckResult(
+            name, CheckStatus.FAIL, f"{what}, under the job's {spec.min_gbps:g} GB/s", data=data
+        )
+    return CheckResult(name, CheckStatus.PASS, f"{what} >= {spec.min_gbps:g} GB/s", data=data)
 
 
 def failed(results: list[CheckResult]) -> list[CheckResult]:

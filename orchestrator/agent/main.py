@@ -115,6 +115,10 @@ class AgentConfig:
     store_timeout_s: float = hc.DEFAULT_STORE_TIMEOUT_S
     service_wait_s: float = 5.0
     """How long the health checks wait for the service's first answer (the clock check)."""
+    min_allreduce_gbps: float = 0.0
+    """All-reduce bus bandwidth across the nodes the job needs before training; 0: none."""
+    allreduce_check_port: int | None = None
+    """The check's TCP store port on the master node (default: master port + 1)."""
 
     @property
     def world_size(self) -> int:
@@ -198,6 +202,14 @@ def parse_args(argv: list[str]) -> AgentConfig:
         default=hc.env_float(dict(env), hc.MAX_CLOCK_SKEW_S_ENV, hc.DEFAULT_MAX_CLOCK_SKEW_S),
     )
     p.add_argument("--store-timeout-s", type=float, default=hc.DEFAULT_STORE_TIMEOUT_S)
+    p.add_argument(
+        "--min-allreduce-gbps",
+        type=float,
+        default=hc.env_float(dict(env), hc.MIN_ALLREDUCE_GBPS_ENV, 0.0),
+        help="before torchrun, all-reduce across the nodes and fail below this bus "
+        f"bandwidth (GB/s; 0 = no check; env ${hc.MIN_ALLREDUCE_GBPS_ENV})",
+    )
+    p.add_argument("--allreduce-check-port", type=int, help="default: --master-port + 1")
     a = p.parse_args(flags)
     if not command:
         raise UsageError("no command: put the rank command after --, e.g. -- python train.py")
@@ -215,6 +227,11 @@ def parse_args(argv: list[str]) -> AgentConfig:
         raise UsageError(f"--expect-gpus must be >= 0, got {a.expect_gpus}")
     if not (a.min_free_disk_gb >= 0 and math.isfinite(a.min_free_disk_gb)):
         raise UsageError(f"--min-free-disk-gb must be >= 0, got {a.min_free_disk_gb!r}")
+    if not (a.min_allreduce_gbps >= 0 and math.isfinite(a.min_allreduce_gbps)):
+        raise UsageError(f"--min-allreduce-gbps must be >= 0, got {a.min_allreduce_gbps!r}")
+    check_port = a.allreduce_check_port or a.master_port + 1
+    if not 1 <= check_port <= 65535:
+        raise UsageError(f"--allreduce-check-port must be in 1..65535, got {check_port}")
     for name in (
         "grace_s",
         "heartbeat_s",
@@ -259,6 +276,8 @@ def parse_args(argv: list[str]) -> AgentConfig:
         min_free_disk_gb=a.min_free_disk_gb,
         max_clock_skew_s=a.max_clock_skew_s,
         store_timeout_s=a.store_timeout_s,
+        min_allreduce_gbps=a.min_allreduce_gbps,
+        allreduce_check_port=check_port,
     )
 
 
@@ -760,6 +779,23 @@ class Agent:
         results = hc.run_checks(
             self.health_spec(), service=self.service_date, have_service=self.client is not None
         )
+        if not hc.failed(results):
+            # Only a node whose own checks passed joins the all-reduce: a broken one
+            # would make its healthy peers wait out the join timeout for nothing.
+            c = self.cfg
+            results.append(
+                hc.check_allreduce(
+                    hc.AllreduceSpec(
+                        min_gbps=c.min_allreduce_gbps,
+                        rank=c.node_rank,
+                        world=c.nnodes,
+                        addr=c.master_addr,
+                        port=c.allreduce_check_port or c.master_port + 1,
+                    ),
+                    python=sys.executable,
+                    env=self.rank_env(),
+                )
+            )
         bad = hc.failed(results)
         text = hc.summary(results)
         self.report("health_check", "health_check", checks=[r.to_json() for r in results])

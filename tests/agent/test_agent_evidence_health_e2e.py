@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import test_agent_e2e as e2e
+from conftest import free_port
 from test_agent_e2e import node_row, training, wait_for
 
 from orchestrator.agent import evidence as ev
@@ -62,7 +63,10 @@ def test_stop_with_capture_stacks_stores_every_rank_stack_before_the_kill(servic
     (health,) = by_kind(events, "health_check")
     assert health["failure_class"] is None and health["id"] < evidence["id"]
     statuses = {c["name"]: c["status"] for c in health["details"]["checks"]}
-    assert statuses == {"gpus": "skip", "disk": "pass", "checkpoint_store": "skip", "clock": "pass"}
+    assert statuses == {
+        "gpus": "skip", "disk": "pass", "checkpoint_store": "skip", "clock": "pass",
+        "allreduce_bandwidth": "skip",
+    }  # fmt: skip
 
 
 def _fake_failing_smi(tmp_path: Path) -> str:
@@ -141,3 +145,34 @@ def test_flight_recorder_dumps_on_the_node_disk_reach_the_service_once(
     (dump,) = d["flight_recorder"]
     assert dump["file"] == "rank_0" and dump["pending"][0]["op"] == "gloo:all_reduce"
     assert "rank 0 (flight recorder): gloo:all_reduce seq 9 not completed" in evidence["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("min_gbps", "code"), [("0.001", 75), ("1000000", 69)], ids=["ok", "slow"])
+def test_two_nodes_measure_their_allreduce_bandwidth_before_training(
+    service, start_agent, min_gbps, code
+):
+    job = service.new_job()
+    port = str(free_port())
+    runs = []
+    for k in (0, 1):
+        flags = ("--nnodes", "2", "--node-rank", str(k), "--master-port", port)
+        runs.append(
+            start_agent(job, node=f"n{k}", flags=(*flags, "--min-allreduce-gbps", min_gbps))
+        )
+
+    def both_running() -> bool:
+        rows = [node_row(service, job, n) for n in ("n0", "n1")]
+        return all(r is not None and r.state == "running" for r in rows)
+
+    if code == 75:
+        wait_for("both nodes training", both_running, timeout=90)
+        with service.sessionmaker() as s, s.begin():
+            agents.enqueue_command(s, job, 1, "stop", {"reason": "done"})
+    assert [r.wait(timeout=120) for r in runs] == [code, code], runs[0].log.read_text()
+    health = {e["node_id"]: e for e in by_kind(service.events(job), "health_check")}
+    for n in ("n0", "n1"):
+        (bw,) = [c for c in health[n]["details"]["checks"] if c["name"] == "allreduce_bandwidth"]
+        assert bw["data"]["world"] == 2 and bw["data"]["busbw_gbps_slowest"] > 0
+        assert bw["status"] == ("pass" if code == 75 else "fail")
+        assert health[n]["failure_class"] == (None if code == 75 else "health_check_failed")

@@ -1,5 +1,5 @@
 """The task templates give the agent what its health checks and evidence need: the
-node's GPU count, the disk estimate, NCCL's fail-fast and Flight Recorder settings
+node's GPU count, NCCL's fail-fast and Flight Recorder settings
 with the dumps on the node's disk. The run section runs in bash with a fake
 ``skyresume-agent`` that records its argv and environment."""
 
@@ -53,7 +53,9 @@ def test_templates_pass_the_gpu_count_disk_estimate_and_nccl_evidence_settings(
 ):
     argv, env = run_section(template, tmp_path, gpus)
     assert argv[argv.index("--expect-gpus") + 1] == gpus  # 0 on CPU: GPU check skipped
-    assert argv[argv.index("--min-free-disk-gb") + 1] == "1"
+    # The other health settings reach the agent as SKYRESUME_AGENT_* variables in
+    # the run environment, which a flag here would override.
+    assert not [a for a in argv if a.startswith("--min-")]
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert int(env["TORCH_FR_BUFFER_SIZE"]) > 0
