@@ -45,7 +45,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from orchestrator.demo import DemoService, api_get, api_post, job_spec, wait_for  # noqa: E402
+from orchestrator.demo import (  # noqa: E402
+    DemoService,
+    api_get,
+    api_post,
+    job_spec,
+    wait_for,
+)
 from orchestrator.launchers.local import NODE_MARKER, free_port, node_pids  # noqa: E402
 
 STEP_SLEEP = 0.1

@@ -33,6 +33,20 @@ class DemoError(RuntimeError):
     pass
 
 
+#: A model profile for the demo's GPT the memory planner can step down (1 layer, a
+#: global batch of 8 over 4 ranks): what the OOM chaos runs re-plan.
+TINY_MODEL: dict[str, Any] = {
+    "parameters": 200_000,
+    "layers": 1,
+    "hidden_size": 64,
+    "heads": 2,
+    "seq_len": 32,
+    "global_batch": 8,
+    "micro_batch": 2,
+    "dtype": "fp32",
+}
+
+
 def job_spec(home: Path, steps: int) -> dict[str, Any]:
     cmd = (
         f"{sys.executable} -m training.examples.train_gpt --max-steps {steps} "

@@ -97,6 +97,15 @@ def test_a_hung_rank_is_caught_by_the_heartbeat_timeout_and_the_job_recovers(ser
     named = {int(r) for r in re.findall(r"\b(\d+)\b", inc["message"].split("made")[0])}
     named |= {int(r) for r in re.findall(r"\d+", inc["message"].partition("Also silent:")[2])}
     assert 3 in named
+    # The evidence was taken before the kill and is kept with the incident: every
+    # rank's stack, and the frozen rank named as stopped.
+    assert inc["evidence"], "no stacks were taken before the ranks were stopped"
+    events = api_get(http, f"/v1/jobs/{job}/events?limit=500")["items"]
+    stacks = [e for e in events if e["kind"] == "evidence" and e["details"].get("attempt") == 1]
+    ranks = {r["rank"]: r for e in stacks for r in e["details"]["ranks"]}
+    assert sorted(ranks) == [0, 1, 2, 3]
+    assert all(r["stack"] for r in ranks.values())
+    assert any("rank 3 is stopped" in e["message"] for e in stacks)
     http.post(f"/v1/jobs/{job}/cancel")
 
 

@@ -12,22 +12,9 @@ from typing import Any
 
 import pytest
 
-from orchestrator.demo import DemoService, api_get, api_post, job_spec, wait_for
+from orchestrator.demo import TINY_MODEL, DemoService, api_get, api_post, job_spec, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
-
-#: A model profile the memory planner can step down: 1 layer, 4 data-parallel ranks,
-#: a global batch of 8 (2 per rank).
-TINY = {
-    "parameters": 200_000,
-    "layers": 1,
-    "hidden_size": 64,
-    "heads": 2,
-    "seq_len": 32,
-    "global_batch": 8,
-    "micro_batch": 2,
-    "dtype": "fp32",
-}
 
 
 @pytest.fixture
@@ -74,7 +61,7 @@ def test_an_oom_is_replanned_to_smaller_settings_until_it_fits(service, tmp_path
     kept, until the smaller micro-batch trains."""
     http = service
     job = submit(
-        http, tmp_path, 300, extra=" --oom-above-micro-batch 1", model=TINY,
+        http, tmp_path, 300, extra=" --oom-above-micro-batch 1", model=TINY_MODEL,
         restarts={"max_restarts": 6},
     )  # fmt: skip
     end = time.monotonic() + 700
@@ -90,7 +77,7 @@ def test_an_oom_is_replanned_to_smaller_settings_until_it_fits(service, tmp_path
 
 def test_an_oom_at_the_smallest_setting_fails_the_job_saying_so(service, tmp_path):
     http = service
-    smallest = {**TINY, "global_batch": 4, "micro_batch": 1}
+    smallest = {**TINY_MODEL, "global_batch": 4, "micro_batch": 1}
     job = submit(
         http, tmp_path, 300, extra=" --oom-above-micro-batch 0", model=smallest,
         restarts={"max_restarts": 6},
