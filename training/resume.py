@@ -32,7 +32,8 @@ def check_agreement(views: list[RankResume], *, expected_step: int | None = None
         ]
         raise ResumeMismatch("ranks loaded different checkpoints: " + "; ".join(parts))
     ((step, _digest),) = groups
-    if expected_step is not None and step != expected_step:
+    # A fresh start loads nothing (step None): that is what "staged step 0" means.
+    if expected_step is not None and (step if step is not None else 0) != expected_step:
         raise ResumeMismatch(
             f"all ranks loaded step {step}, but the orchestrator staged step {expected_step}"
         )

@@ -668,7 +668,10 @@ class Agent:
             what = f"stop: {args.get('reason') or 'service'}"
             if args.get("capture_stacks") is True:
                 self._capture_then_stop(what, f"evidence:{cmd.get('seq')}")
-            self.begin_stop(what, STOP_GRACE_S)
+            # save: false (an anomaly): the state in memory is the diverged one; an
+            # emergency save of it would only push the good checkpoints out of
+            # retention, so the ranks get no grace to write one.
+            self.begin_stop(what, 0.0 if args.get("save") is False else STOP_GRACE_S)
         elif kind == CommandType.SET_CHECKPOINT_EVERY:
             n = args.get("every_steps")
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:

@@ -730,6 +730,8 @@ def _signal(
         args = {"reason": reason}
         if inc.failure_class in STACK_CLASSES:
             args["capture_stacks"] = True  # the evidence, before the kill
+        if inc.failure_class in rm.ANOMALIES:
+            args["save"] = False  # the ranks hold the diverged state: never save it
         return [SendCommand(inc.attempt, CommandType.STOP, args)]
     waited = _age(s.now, view.started_at)
     if _all_stopped(a):

@@ -311,3 +311,13 @@ def test_a_rank_s_oom_names_the_incident_over_its_peers_timeouts():
     oom = failure(F.CUDA_OOM, "rank_exit", "j-a1-n1", code=1, id_=5)
     out = rc.decide(snap(failures=(timeout, oom)))
     assert out[0].cause == oom and out[0].consequences == (4,)
+
+
+def test_ranks_that_hold_a_diverged_state_are_stopped_without_a_save():
+    """An emergency save after a spike would hold the diverged weights and push the
+    good checkpoints out of retention."""
+    for cls in (F.LOSS_SPIKE, F.NAN_DIVERGENCE):
+        out = rc.decide(snap(status=S.RECOVERING, incident=incident(cls, done(P.DETECT))))
+        assert out[1].type == "stop" and out[1].args["save"] is False
+    out = rc.decide(snap(status=S.RECOVERING, incident=incident(F.NODE_LOST, done(P.DETECT))))
+    assert "save" not in out[1].args

@@ -39,3 +39,11 @@ def test_a_rank_that_found_nothing_is_a_mismatch():
 def test_step_other_than_the_staged_one_is_refused():
     with pytest.raises(ResumeMismatch, match="orchestrator staged step 120"):
         check_agreement([RankResume(0, 100, D1)], expected_step=120)
+
+
+def test_a_fresh_start_is_what_an_expected_step_of_zero_means():
+    """A rollback with no checkpoint old enough relaunches from scratch: RESUME_FROM
+    none, expected step 0; the ranks load nothing, and that agrees."""
+    check_agreement([RankResume(0, None, None), RankResume(1, None, None)], expected_step=0)
+    with pytest.raises(ResumeMismatch, match="orchestrator staged step 10"):
+        check_agreement([RankResume(0, None, None)], expected_step=10)
