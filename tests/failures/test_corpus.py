@@ -129,9 +129,6 @@ def test_split_holds_out_every_well_sourced_class_and_about_a_third() -> None:
 #: actually found: (excerpts, projects). Each is the real number, checked exactly, so
 #: the shortfall is stated here rather than hidden by a lower bar.
 RARE: dict[str, tuple[int, int]] = {}
-#: TEMPORARY while three collectors are still appending (2026-12-01, until ~10:15 UTC);
-#: removed once their files stop growing, so these checks then state the real numbers.
-_COLLECTING = pytest.mark.skip(reason="corpus still being collected (issue #13)")
 
 
 def _counts() -> tuple[Counter[str], dict[str, set[str]]]:
@@ -143,12 +140,10 @@ def _counts() -> tuple[Counter[str], dict[str, set[str]]]:
     return n, projects
 
 
-@_COLLECTING
 def test_corpus_has_at_least_400_excerpts() -> None:
     assert len(CORPUS) >= 400, f"{len(CORPUS)} excerpts"
 
 
-@_COLLECTING
 @pytest.mark.parametrize("label", [c.value for c in FailureClass])
 def test_each_class_has_20_excerpts_from_8_projects_or_its_real_count_is_recorded(
     label: str,
