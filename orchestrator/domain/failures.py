@@ -203,6 +203,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         0.99,
         r"closing signal SIGTERM",
         r"No stragglers? detected",
+        r"Straggler Report at|straggler detect(ion|or) (is )?(enabled|initiali[sz]ed|started)",
         r"number of nan iterations:\s*0\b",
     )
     + _r(
@@ -220,6 +221,9 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"\bpre-?emption (notice|warning|signal|event|detected)",
         r"PreemptionError|PREEMPTED\b",
         r"termination is imminent",
+        r"\b(termination|interruption|reclaim) (notice|warning|event)",
+        r"\breclaim(ed|ing)?\b.{0,40}\b(instance|node|vm|spot|capacity)|"
+        r"\b(instance|node|vm|spot)\b.{0,40}\breclaim(ed|ing)?\b",
         r"(is going to|will) be (interrupted|preempted|reclaimed)",
         r"\bpreempted\b.*(instance|node|vm|cluster|tpu|spot)",
         r"(instance|node|vm|cluster|tpu|spot)\b.*\bpreempted\b",
@@ -230,7 +234,12 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"\bVM \S+ stopped unexpectedly",
     )
     # GCE stops a preempted VM with an ACPI power-button press.
-    + _r(_F.PREEMPTION_NOTICE, 0.7, r"Power key pressed")
+    + _r(
+        _F.PREEMPTION_NOTICE,
+        0.7,
+        r"Power key pressed",
+        r"host ?maintenance|maintenance event|TERMINATE_ON_HOST_MAINTENANCE",
+    )
     + _r(
         _F.HOST_OOM_KILLED,
         0.96,
@@ -315,6 +324,11 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"\b(NaN|Inf) (loss|gradient)s?\b",
         r"(loss|gradient)s? (is|are|was|were|became|becomes|become) (nan|inf|NaN)",
         r"Detected (NaN|inf)",
+        r"contains? (a |some )?(nan|inf)s?\b|\bhas (nan|inf)s?\b",
+        r"(nan|inf) (values? )?(found|detected|encountered|appeared)",
+        r"\bnan in (the )?(loss|gradients?|outputs?|weights|parameters|activations|logits)",
+        r"\b(ppl|perplexity)\W{0,3}(nan|inf)\b",
+        r"loss (value )?(is|was|became|becomes|=) (nan|inf)\b",
     )
     + _r(
         _F.NAN_DIVERGENCE,
@@ -352,6 +366,16 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"(GPU|CPU|device) (computes|gives|returns|produces) (a )?different",
         r"(outputs?|results?) differs? (between|from|across)",
         r"parity.{0,20}fail",
+        r"\bSDC\b|data corruption|bit ?flips?\b",
+        r"(wrong|incorrect|corrupt(ed)?|garbage|bogus) (outputs?|results?|values?|gradients?"
+        r"|weights?|data|answers?|numbers?)",
+        r"(outputs?|results?|values?|gradients?|weights?|parameters?|losses) (are|is|were|was) "
+        r"(wrong|incorrect|corrupt(ed)?|inconsistent|mismatched)",
+        r"(differ\w*|mismatch\w*|inconsisten\w*|diverge\w*) (between|across|among) (the )?"
+        r"(ranks|gpus|devices|replicas|workers|nodes|runs)",
+        r"not (bitwise )?(identical|equal|the same) (across|between|on) (ranks|gpus|devices)",
+        r"Not equal to tolerance",
+        r"checksum (mismatch|failed|error)",
     )
     + _r(
         _F.CHECKPOINT_IO,
@@ -402,6 +426,8 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"failed to pass monitoredBarrier",
         r"Timeout at NCCL work",
         r"Application timeout caused pair closure",
+        r"DistBackendError.*\btime(d)? ?out|\btime(d)? ?out.*DistBackendError",
+        r"\bwatchdog\b.*\b(timeout|timed out|hang|stuck)",
         r"collective .*timed out",
     )
     + _r(
@@ -412,6 +438,11 @@ _RULES: tuple[_Rule, ...] = tuple(
         # The work descriptor in any NCCL error line, a timeout or not.
         r"Timeout\(ms\)=\d+",
         r"barrier.*timed? ?out|timed out.*barrier",
+        r"\b(hang|hung|hangs|hanging|stuck|deadlock(ed)?)\b.{0,60}\b(all_?reduce|all-reduce|"
+        r"all_?gather|broadcast|barrier|collective|nccl|reduce_scatter)",
+        r"\b(all_?reduce|all-reduce|all_?gather|broadcast|barrier|collective|nccl|"
+        r"reduce_scatter)\b.{0,60}\b(hang|hung|hangs|hanging|stuck|deadlock(ed)?|timed out)",
+        r"\bNCCL\b.*\btime(d)? ?out",
     )
     + _r(_F.NCCL_TIMEOUT, 0.8, r"ncclCommWatchdog")
     + _r(_F.NCCL_TIMEOUT, 0.5, r"Some NCCL operations have failed or timed out")
@@ -469,6 +500,12 @@ _RULES: tuple[_Rule, ...] = tuple(
         0.8,
         # Straggler reports also print "No stragglers detected." every interval.
         r"(?<!no )\bstragglers? (detected|found|identified)",
+        r"\bstraggl(er|ers|ing)\b",
+        r"\bslow(est|er)? (rank|gpu|node|worker|peer|host|device)s?\b",
+        r"\b(rank|gpu|node|worker|host|device)s?\b.{0,40}\b(is|are|was|were|runs?|running) "
+        r"(much |significantly |noticeably |\d+x )?(slower|lagging|behind)",
+        r"\blagg(ing|ard) (rank|node|worker|gpu|host)s?",
+        r"(?<!not )\bthrottl(ed|ing)\b",
         r"straggler_gpus_(relative|individual).*rank=\d+",
         r"rank \d+ is (a )?(slow|straggler)",
         r"slow (rank|peer|node)s? (detected|found)",
@@ -544,6 +581,12 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"srun: (Force Terminated|error: .*: tasks? [\d,-]+: Terminated)",
         r"(received|caught|got) (signal:? )?(SIGTERM|SIGINT|SIGHUP|15)\b",
         r"signal handler called with signal (15|2)\b",
+        r"(killed|terminated|stopped|exited|interrupted) (by|with|due to|on) (a )?(signal:? )?"
+        r"(SIGTERM|SIGINT|SIGHUP|15)\b",
+        r"signal: (terminated|interrupt|hangup)\b",
+        r"\bcancel+ed by (user|\d+|the user|admin)",
+        r"\bjob (was )?(cancel+ed|killed|terminated|stopped) by",
+        r"received (a )?(termination|shutdown|stop|kill) (signal|request)",
         r"keyboard interrupt received",
         r"\bscancel\b",
         r"DUE TO PREEMPTION",
@@ -560,6 +603,8 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"Signal (15|2|1) \(SIG(TERM|INT|HUP)\) received by PID",
         r"exit(ed)? (with )?(exit )?(code|status)[:=]?\s*143\b",
         r"Stopping container",
+        r"\bSIG(TERM|INT|HUP)\b",
+        r"\bsignal 15\b",
         r"srun: Job step aborted",
         # Kubernetes evicts pods under disk pressure or for a drain (memory: host OOM).
         r"\bEvicted\b|low on resource: (ephemeral-storage|disk|pids)",
@@ -690,7 +735,7 @@ _NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
 # "loss: 1.23", "Total loss: 0.5", "lm loss: 2.3E+00", "'loss': 0.4", "loss_-4.06",
 # "loss_rpn_cls: 0.3" (its own series). A line that is only a number is series "".
 _LOSS_VALUE = re.compile(
-    r"(?<![\w])((?:[A-Za-z]+[ _/])?loss(?:es)?(?:[_/][A-Za-z]+)*)"
+    r"(?<![\w])((?:[A-Za-z]+[ _/])?(?:[A-Za-z]*loss(?:es)?|ppl|perplexity)(?:[_/][A-Za-z]+)*)"
     rf"['\"]?[\s:=_'\"]*({_NUM})(?!\w|\.\d)",
     re.IGNORECASE,
 )
@@ -698,7 +743,7 @@ _BARE_NUMBER = re.compile(rf"^\s*({_NUM})\s*$")
 #: A spike: this many times the prior values' spread (MAD) above their median, and at
 #: least this share of the median's size. Both, so neither a flat nor a noisy run trips it.
 _SPIKE_MADS = 6.0
-_SPIKE_RELATIVE = 0.8
+_SPIKE_RELATIVE = 0.5
 #: One point counts only when it is this many times the size of the prior trend;
 #: otherwise a spike must persist (two points above the line).
 _SPIKE_SINGLE_RELATIVE = 10.0
@@ -789,10 +834,12 @@ _THROUGHPUT = re.compile(
     rf"({_NUM})\s*(?:T|G)?(?:FLOPS|flop/s|samples/s|tokens/s|it/s|GB/s)\b", re.IGNORECASE
 )
 _DURATION = re.compile(
-    rf"\b(?:step[ _]time|iteration time|elapsed|time cost|time)\b\W*({_NUM})", re.IGNORECASE
+    rf"\b(?:step[ _]time|iteration time|elapsed|time cost|time)\b\W*({_NUM})"
+    rf"|({_NUM})\s*(?:sec/step|s/step|ms/step|s/it)\b",
+    re.IGNORECASE,
 )
 #: The slowest entity must be this many times off the median of the others.
-_SLOW_FACTOR = 2.5
+_SLOW_FACTOR = 2.0
 _MIN_ENTITIES = 3
 
 
@@ -804,7 +851,8 @@ def _slow_peer(lines: list[str]) -> str | None:
         for line in lines:
             e, v = _ENTITY.search(line), pattern.search(line)
             if e and v:
-                by_entity[f"{e.group(1).lower()}{e.group(2)}"] = (float(v.group(1)), line)
+                value = float(next(g for g in v.groups() if g is not None))
+                by_entity[f"{e.group(1).lower()}{e.group(2)}"] = (value, line)
         if len(by_entity) < _MIN_ENTITIES:
             continue
         for key, (value, line) in by_entity.items():
@@ -815,7 +863,38 @@ def _slow_peer(lines: list[str]) -> str | None:
             ratio = value / med if slow_is_high else med / value
             if ratio >= _SLOW_FACTOR:
                 return line
-    return _step_time_slowdown(lines)
+    return _slow_row(lines) or _step_time_slowdown(lines)
+
+
+_TABLE_HEADER = re.compile(r"^\W*(rank|gpu|node|host|worker)\b(.*\btime\b.*)$", re.IGNORECASE)
+_ROW_NUMBERS = re.compile(rf"(?<![\w.]){_NUM}(?![\w.])")
+
+
+def _slow_row(lines: list[str]) -> str | None:
+    """A per-rank table ("rank  data_time  step_time" then one row per rank) whose
+    time column has one row far above the column's median, or None."""
+    for i, header in enumerate(lines):
+        m = _TABLE_HEADER.match(header)
+        if not m:
+            continue
+        columns = [c.lower() for c in re.split(r"[\s|]+", m.group(0).strip()) if c]
+        rows: list[tuple[list[float], str]] = []
+        for line in lines[i + 1 :]:
+            nums = [float(n) for n in _ROW_NUMBERS.findall(line)]
+            if len(nums) != len(columns):
+                break
+            rows.append((nums, line))
+        if len(rows) < _MIN_ENTITIES:
+            continue
+        for col, name in enumerate(columns):
+            if "time" not in name:
+                continue
+            values = [r[col] for r, _ in rows]
+            med = _median(values)
+            for value, (_, line) in zip(values, rows, strict=True):
+                if med > 0 and value / med >= _SLOW_FACTOR:
+                    return line
+    return None
 
 
 _CUDA_TENSOR = re.compile(r"tensor\((\[[^()]*?\])[^()]*?device='cuda:\d+'", re.DOTALL)
