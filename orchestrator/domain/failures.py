@@ -345,6 +345,8 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"loss spikes?\b",
         r"spikes? in (the )?(training )?loss",
         r"loss (suddenly )?(jump|spike|explode)s?",
+        r"loss (suddenly )?(jumped|spiked|exploded|shot up|blew up|increased sharply)",
+        r"sudden (increase|jump|rise) (of|in) (the )?loss",
     )
     + _r(
         _F.SILENT_CORRUPTION,
@@ -376,6 +378,11 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"not (bitwise )?(identical|equal|the same) (across|between|on) (ranks|gpus|devices)",
         r"Not equal to tolerance",
         r"checksum (mismatch|failed|error)",
+        r"\bmiscompare",
+        r"non-?deterministic (results?|outputs?)",
+        r"Arrays are not (almost )?equal",
+        r"not allclose|allclose\(.*\)\s*(is |returns? |-> |= )?False",
+        r"(greatest|max(imum)?)[ _](abs(olute)?|rel(ative)?)[ _]diff(erence)?",
     )
     + _r(
         _F.CHECKPOINT_IO,
@@ -736,14 +743,14 @@ _NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
 # "loss_rpn_cls: 0.3" (its own series). A line that is only a number is series "".
 _LOSS_VALUE = re.compile(
     r"(?<![\w])((?:[A-Za-z]+[ _/])?(?:[A-Za-z]*loss(?:es)?|ppl|perplexity)(?:[_/][A-Za-z]+)*)"
-    rf"['\"]?[\s:=_'\"]*({_NUM})(?!\w|\.\d)",
+    rf"['\"]?[\s:=_'\"]*(?:tensor\()?({_NUM})(?!\w|\.\d)",
     re.IGNORECASE,
 )
 _BARE_NUMBER = re.compile(rf"^\s*({_NUM})\s*$")
 #: A spike: this many times the prior values' spread (MAD) above their median, and at
 #: least this share of the median's size. Both, so neither a flat nor a noisy run trips it.
 _SPIKE_MADS = 6.0
-_SPIKE_RELATIVE = 0.5
+_SPIKE_RELATIVE = 0.3
 #: One point counts only when it is this many times the size of the prior trend;
 #: otherwise a spike must persist (two points above the line).
 _SPIKE_SINGLE_RELATIVE = 10.0
@@ -768,22 +775,22 @@ def _jump(
     """
     base = mad = 0.0
     above: list[str] = []
-    # One prior point is trend enough for a 10x jump, or for a rise that then holds
-    # for one point more than usual; from two prior points on, the usual rule.
-    need = persist
+    # One prior point has no spread to measure: there the rise must at least double
+    # it (or be 10x); from two prior points on, the spread and ``relative`` decide.
+    least = relative
     for i in range(1, len(points)):
         if not above:
-            need = persist + 1 if i < _MIN_PRIOR else persist
+            least = max(relative, 1.0) if i < _MIN_PRIOR else relative
             prior = [v for v, _ in points[max(0, i - _SPIKE_WINDOW) : i]]
             base = _median(prior)
             mad = _median([abs(v - base) for v in prior])
         value, line = points[i]
         rise = value - base
-        if rise > max(_SPIKE_MADS * mad, relative * abs(base), 1e-9):
+        if rise > max(_SPIKE_MADS * mad, least * abs(base), 1e-9):
             if single is not None and rise > single * max(abs(base), mad, 1e-9):
                 return line
             above.append(line)
-            if len(above) >= need:
+            if len(above) >= persist:
                 return above[0]
     return None
 
@@ -866,7 +873,7 @@ def _slow_peer(lines: list[str]) -> str | None:
     return _slow_row(lines) or _step_time_slowdown(lines)
 
 
-_TABLE_HEADER = re.compile(r"^\W*(rank|gpu|node|host|worker)\b(.*\btime\b.*)$", re.IGNORECASE)
+_TABLE_HEADER = re.compile(r"^\W*(rank|gpu|node|host|worker)\b(.*time.*)$", re.IGNORECASE)
 _ROW_NUMBERS = re.compile(rf"(?<![\w.]){_NUM}(?![\w.])")
 
 

@@ -1057,3 +1057,31 @@ def test_a_launchers_called_process_error_is_not_the_users_exception() -> None:
     assert exception_signature(log) == (
         "IndexError: index <n> is out of bounds for dimension <n> with size <n>"
     )
+
+
+def test_a_loss_printed_as_a_tensor_or_camel_case_key_is_read() -> None:
+    tensors = "\n".join(
+        f"step {i} loss: tensor({v}, device='cuda:0', grad_fn=<NllLossBackward0>)"
+        for i, v in enumerate([2.31, 2.30, 2.29, 6.10, 6.40])
+    )
+    assert classify_failure(None, None, tensors).failure_class is F.LOSS_SPIKE
+    camel = "\n".join(f"train/CrossEntropyLoss={v}" for v in [2.31, 2.30, 2.29, 6.10, 6.40])
+    assert classify_failure(None, None, camel).failure_class is F.LOSS_SPIKE
+
+
+def test_a_loss_that_doubles_after_the_first_point_and_stays_is_a_spike() -> None:
+    log = "{'loss': 3.03}\n{'loss': 14.41}\n{'loss': 15.25}"
+    assert classify_failure(None, None, log).failure_class is F.LOSS_SPIKE
+
+
+def test_a_per_rank_time_table_with_one_slow_row_is_a_slow_peer() -> None:
+    log = (
+        "rank   data_time   step_time\n"
+        "  0      0.021      1.02\n"
+        "  1      0.019      0.99\n"
+        "  2      0.020      3.90\n"
+        "  3      0.022      1.01"
+    )
+    got = classify_failure(None, None, log)
+    assert got.failure_class is F.SLOW_PEER
+    assert got.evidence == ("  2      0.020      3.90",)
