@@ -267,7 +267,7 @@ def examples_markdown(items: Sequence[Excerpt]) -> str:
         if not mine:
             continue
         e = mine[0]
-        text = "\n".join(e.excerpt.strip().splitlines()[-4:])
+        text = "\n".join(e.excerpt.strip().splitlines()[-12:])
         out += [f"- `{c}` ({e.source}):", "", "  ```text"]
         out += [f"  {line[:160]}" for line in text.splitlines()]
         out += ["  ```", ""]

@@ -155,3 +155,40 @@ def test_each_class_has_20_excerpts_from_8_projects_or_its_real_count_is_recorde
         assert got[0] < 20 or got[1] < 8, f"{label} meets the bar now: drop it from RARE"
     else:
         assert got[0] >= 20 and got[1] >= 8, f"{label}: {got[0]} excerpts, {got[1]} projects"
+
+
+def test_sources_md_lists_the_corpus_as_it_is() -> None:
+    # Regenerate with: .venv/bin/python bench/classify.py --write-sources
+    path = bench.CORPUS_DIR / "SOURCES.md"
+    assert path.read_text(encoding="utf-8") == bench.sources_markdown(CORPUS)
+
+
+# --- the classifier on the corpus ---
+
+#: Floors against regressions, below the issue's target (>= 95% held-out, no class
+#: under 85%), which the rules do not meet yet: BENCHMARKS.md has the measured figures.
+HELD_OUT_FLOOR = 0.87
+DEV_FLOOR = 0.95
+
+
+def test_classifier_holds_its_measured_accuracy_on_both_parts() -> None:
+    dev, held = bench.split(CORPUS)
+    d, h = bench.score(dev), bench.score(held)
+    assert d.accuracy >= DEV_FLOOR, f"dev {d.accuracy:.1%}"
+    assert h.accuracy >= HELD_OUT_FLOOR, f"held out {h.accuracy:.1%}"
+
+
+#: The user's own AssertionError comparing two tensors, where the thread found that
+#: NCCL had zeroed part of one (development part; no rule tells it from a test bug).
+KNOWN_FALSE_USER_ERRORS = {"silent_corruption-nccl-1950-avg-reduce-tail-zeros"}
+
+
+def test_no_other_failure_is_called_a_user_error() -> None:
+    # The one class that is not retried: a wrong user_code_error fails a job that a
+    # restart would have saved.
+    wrong = {
+        e.id
+        for e in CORPUS
+        if e.label != "user_code_error" and bench.predict(e) == "user_code_error"
+    }
+    assert wrong <= KNOWN_FALSE_USER_ERRORS
