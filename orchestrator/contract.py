@@ -49,6 +49,10 @@ class Env:
     #: the batches of these steps are skipped, so the data that caused it is not
     #: replayed; the step counter still advances over them.
     SKIP_STEPS = "SKYRESUME_RUN_SKIP_STEPS"
+    #: Seconds a collective may wait before the watchdog fails it (the process group's
+    #: timeout), derived by the service from the job's measured step and save times
+    #: instead of torch's 10-minute default; unset on a first launch (nothing measured).
+    COLLECTIVE_TIMEOUT_S = "SKYRESUME_RUN_COLLECTIVE_TIMEOUT_S"
     #: Complete checkpoints kept (locally and in the store); at least 2.
     CHECKPOINT_KEEP = "SKYRESUME_RUN_CHECKPOINT_KEEP"
     #: ``host:port`` of the agent's UDP progress listener on loopback.

@@ -13,8 +13,14 @@ import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
+import hypothesis  # noqa: F401 - see below
 import pytest
 from testkit import reset_postgres
+
+# Imported up front: hypothesis's pytest plugin imports it at the end of a session that
+# did not, and CPython 3.11.7's parser can then fail that late import with "SystemError:
+# AST constructor recursion depth mismatch" (seen after tests/reconciler alone), turning
+# a green partial run red after every test passed.
 
 PG_BASE = os.environ.get("SKYRESUME_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 

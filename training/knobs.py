@@ -50,8 +50,21 @@ def nccl_fail_fast_env(
     }
 
 
-def init_process_group_for_device(timeout_s: int = 600) -> str:
-    """nccl with fail-fast settings on GPUs, gloo on CPU. Returns the backend."""
+def collective_timeout_from_env(default: int = 600) -> int:
+    """The process group's timeout the service derived from the job's measured step
+    and save times (``Env.COLLECTIVE_TIMEOUT_S``); torch's 10 minutes otherwise."""
+    raw = os.environ.get(Env.COLLECTIVE_TIMEOUT_S, "")
+    try:
+        value = int(raw)
+    except ValueError:
+        return default
+    return value if value > 0 else default
+
+
+def init_process_group_for_device(timeout_s: int | None = None) -> str:
+    """nccl with fail-fast settings on GPUs, gloo on CPU. Returns the backend. The
+    timeout defaults to the one the service derived (``collective_timeout_from_env``)."""
+    timeout_s = collective_timeout_from_env() if timeout_s is None else timeout_s
     from datetime import timedelta
 
     import torch

@@ -45,6 +45,7 @@ from orchestrator.contract import (
     ManifestError,
     check_commit,
     commit_marker,
+    manifest_digest,
     parse_step_dir,
 )
 
@@ -569,6 +570,9 @@ class CheckpointInfo:
     """Why it is not complete ('' when it is)."""
     files: int
     size: int
+    digest: str = ""
+    """The manifest's digest (what the COMMIT names) when complete: a step saved again
+    is another checkpoint with the same step number."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -578,6 +582,7 @@ class CheckpointInfo:
             "reason": self.reason,
             "files": self.files,
             "size": self.size,
+            "digest": self.digest,
         }
 
 
@@ -622,7 +627,8 @@ def _inspect(
             return bad(f"missing {f.path}")
         if objs[f.path] != f.size:
             return bad(f"{f.path}: size {objs[f.path]}, manifest says {f.size}")
-    return CheckpointInfo(step, key, True, "", count, size), manifest, mbytes
+    info = CheckpointInfo(step, key, True, "", count, size, manifest_digest(mbytes))
+    return info, manifest, mbytes
 
 
 def _scan(uri: str) -> tuple[ObjectStore, list[tuple[CheckpointInfo, Manifest | None, bytes]]]:

@@ -208,3 +208,25 @@ def advise_from_history(
     time. Push the interval only if :func:`interval_changed_meaningfully` says so."""
     est = estimate_rate(key, history)
     return advise(gpus, save_seconds, restart_seconds, est.mtbf_hours(gpus)), est
+
+
+def collective_timeout_s(
+    slowest_step_s: float | None,
+    blocking_save_s: float | None,
+    *,
+    factor: float = 10.0,
+    floor_s: float = 60.0,
+    cap_s: float = 600.0,
+) -> int | None:
+    """The process group's timeout for a relaunch, from what the job measured.
+
+    A healthy collective completes within one step; the longest legitimate wait is a
+    rank blocked in a save while its peers wait at the next collective. ``factor``
+    times the larger of the two leaves room for noise; the floor covers start-up
+    (the first steps compile and allocate), the cap is torch's own default, so a
+    hang is caught in about a minute on a fast job instead of after ten. None when
+    nothing was measured (a first launch keeps the default)."""
+    measured = [x for x in (slowest_step_s, blocking_save_s) if x is not None and x > 0]
+    if not measured:
+        return None
+    return round(min(cap_s, max(floor_s, factor * max(measured))))

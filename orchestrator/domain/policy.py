@@ -8,8 +8,9 @@ Each action with an example event sequence (``R`` = attempt):
 
 ``replace_node_block_region``
     preemption_notice, node_lost, external_termination (an outside SIGTERM: the host
-    is likely going away too, but the region is not blamed). ``R1 (spot notice in us-east-1) -> emergency save
-    committed -> R2 launched in us-west-2 (us-east-1 ranked lower for a while) -> ok``.
+    is likely going away too, but the region is not blamed). ``R1 (spot notice in
+    us-east-1) -> emergency save committed -> R2 launched in us-west-2 (us-east-1
+    ranked lower for a while) -> ok``.
 ``restart_in_place``
     nccl_timeout, nccl_transport, rendezvous_failure, unknown. The hardware is fine; a
     fresh rendezvous usually is too. ``R1 (ncclRemoteError, IB flap) -> R2 same nodes,
@@ -24,8 +25,8 @@ Each action with an example event sequence (``R`` = attempt):
     ``R1 (CUDA OOM, micro-batch 8) -> R2 (micro-batch 4, grad-accum x2) -> ok``.
 ``drain_node``
     gpu_hardware, health_check_failed, slow_peer. The node's host is excluded from
-    every later placement of the job; the region is not blamed. ``R1 (Xid 79 on node 3) -> node 3 drained ->
-    R2 with a replacement node -> ok``.
+    every later placement of the job; the region is not blamed. ``R1 (Xid 79 on node
+    3) -> node 3 drained -> R2 with a replacement node -> ok``.
 ``retry_from_checkpoint``
     checkpoint_io. Fall back to the previous complete checkpoint (we keep two) and
     retry. ``R1 (PytorchStreamReader failed) -> R2 from the previous COMMIT -> ok``.

@@ -28,7 +28,7 @@ from typing import Any
 
 from orchestrator.contract import CommandType, EventKind, ExitCode
 from orchestrator.domain import remedy as rm
-from orchestrator.domain.advisor import interval_changed_meaningfully
+from orchestrator.domain.advisor import collective_timeout_s, interval_changed_meaningfully
 from orchestrator.domain.failures import FailureClass
 from orchestrator.domain.memory import BatchNotDivisible, DoesNotFit, plan_memory
 from orchestrator.domain.plan import Placement
@@ -129,6 +129,8 @@ class RankView:
     """The manifest digest of what it loaded (None on a fresh start)."""
     report_age_s: float | None = None
     """Seconds between the rank's last datagram and the agent's last heartbeat."""
+    step_time: float | None = None
+    """The rank's last measured step time, seconds."""
 
 
 @dataclass(frozen=True)
@@ -248,6 +250,8 @@ class CheckpointListing:
     uri: str
     complete: tuple[int, ...] = ()
     """Steps of the checkpoints with a manifest and a COMMIT that names it."""
+    digests: dict[int, str] = field(default_factory=dict)
+    """step -> manifest digest of each complete one (a step saved again differs)."""
     error: str | None = None
     """The store could not be read: missing, never empty (a blind listing would
     restart from step 0 and throw the saved work away)."""
@@ -279,6 +283,11 @@ class JobSnapshot:
     abilities: LauncherAbilities = LauncherAbilities()
     restarts_done: int = 0
     """Relaunches after an incident so far (the job's restart count)."""
+    blocking_save_s: float | None = None
+    """The longest recent save that blocked training (the ranks' checkpoint reports)."""
+    poisoned: frozenset[tuple[int, str]] = frozenset()
+    """(step, manifest digest) of checkpoints an earlier rollback went past: saved
+    from a diverged state, never resumed (until the run saves that step again)."""
 
     @property
     def num_nodes(self) -> int:
@@ -324,6 +333,8 @@ class RecordAttempt:
     exclude_hosts: tuple[str, ...] = ()
     skip_steps: tuple[int, int] | None = None
     """rollback_skip: the ranks skip the batches of these steps (inclusive)."""
+    collective_timeout_s: int | None = None
+    """The process group's timeout from the measured step and save times."""
 
 
 @dataclass(frozen=True)
@@ -711,7 +722,7 @@ def _protocol(
         return start + _stage(s, a, inc)
     if step is _P.LAUNCH:
         if a.number <= inc.attempt:
-            return start + _record_relaunch(s, inc)
+            return start + _record_relaunch(s, a, inc)
         return start + _launch(s, a, inc, cfg)
     if step is _P.VALIDATE:
         return start + _validate(s, a, inc, cfg, started=view is not None)
@@ -766,7 +777,15 @@ def _confirm(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
     if listing.error is not None:
         reason = f"checkpoint storage unreadable: {listing.error}"
         return [FinishStep(i, step, StepOutcome.FAILED, reason), *_fail(a, reason)]
-    choice = rm.choose_checkpoint(listing.complete, inc.failure_class, inc.onset_step)
+    usable = [c for c in listing.complete if (c, listing.digests.get(c, "")) not in s.poisoned]
+    choice = rm.choose_checkpoint(usable, inc.failure_class, inc.onset_step)
+    # A rollback past an anomaly: what it skipped was saved from the diverged state,
+    # and no later incident may resume from it.
+    poisoned = (
+        {str(c): listing.digests.get(c, "") for c in usable if c >= inc.onset_step}
+        if inc.failure_class in rm.ANOMALIES and inc.onset_step is not None
+        else {}
+    )
     last = a.last_step()
     if choice.step is None:
         uri = None
@@ -780,7 +799,13 @@ def _confirm(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
         )
     keep = _in_place(s, inc)
     return [
-        FinishStep(i, step, StepOutcome.OK, text, {"step": choice.step, "uri": uri}),
+        FinishStep(
+            i,
+            step,
+            StepOutcome.OK,
+            text,
+            {"step": choice.step, "uri": uri, **({"poisoned": poisoned} if poisoned else {})},
+        ),
         # Only now, with the checkpoint confirmed, are the old nodes released.
         Release(a.number, f"incident {i}", keep_nodes=keep),
     ]
@@ -877,7 +902,7 @@ def _stage(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
     ]
 
 
-def _record_relaunch(s: JobSnapshot, inc: IncidentView) -> list[Action]:
+def _record_relaunch(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
     confirmed = inc.result(_P.CONFIRM_CHECKPOINT)
     selected = inc.result(_P.SELECT_REPLACEMENT)
     placement = Placement.from_dict(selected["placement"])
@@ -896,6 +921,7 @@ def _record_relaunch(s: JobSnapshot, inc: IncidentView) -> list[Action]:
         and inc.onset_step is not None
     ):
         skip = (resume_step + 1, inc.onset_step + s.spec.restarts.skip_after_onset)
+    times = [r.step_time for n in a.nodes for r in n.ranks if r.step_time is not None]
     return [
         RecordAttempt(
             inc.attempt + 1,
@@ -906,6 +932,9 @@ def _record_relaunch(s: JobSnapshot, inc: IncidentView) -> list[Action]:
             in_place=bool(selected.get("in_place")),
             exclude_hosts=tuple(selected.get("exclude_hosts") or ()),
             skip_steps=skip,
+            collective_timeout_s=collective_timeout_s(
+                max(times) if times else None, s.blocking_save_s
+            ),
         )
     ]
 

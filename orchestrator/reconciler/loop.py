@@ -281,6 +281,8 @@ class Reconciler:
         }
         if a.resume_step is not None:
             env[Env.EXPECTED_STEP] = str(a.resume_step)
+        if k.get("collective_timeout_s"):
+            env[Env.COLLECTIVE_TIMEOUT_S] = str(int(k["collective_timeout_s"]))
         if k.get("skip_steps"):
             first, last = k["skip_steps"]
             env[Env.SKIP_STEPS] = f"{first}-{last}"

@@ -156,10 +156,27 @@ def gather_snapshot(
         candidates_error=candidates_error,
         history=tuple(placement_history(s, now)),
         excluded_hosts=_excluded_hosts(s, job_id),
+        poisoned=_poisoned(s, job_id),
         abilities=launcher.abilities,
         restarts_done=job.restart_count,
+        blocking_save_s=_blocking_save_s(s, job_id),
     )
     return snap, rows
+
+
+def _blocking_save_s(s: Session, job_id: str) -> float | None:
+    """The longest save that blocked training among the job's last five checkpoints."""
+    saves = [
+        float(e.details["blocking_s"])
+        for e in s.scalars(
+            select(FailureEvent)
+            .where(FailureEvent.job_id == job_id, FailureEvent.kind == EventKind.CHECKPOINT)
+            .order_by(FailureEvent.id.desc())
+            .limit(5)
+        )
+        if isinstance((e.details or {}).get("blocking_s"), int | float)
+    ]
+    return max(saves) if saves else None
 
 
 def _next_step(inc: rc.IncidentView) -> ProtocolStep | None:
@@ -178,7 +195,10 @@ def _listing(uri: str) -> rc.CheckpointListing:
         found = list_checkpoints(uri)
     except (StorageError, OSError) as e:
         return rc.CheckpointListing(uri, error=str(e))
-    return rc.CheckpointListing(uri, tuple(c.step for c in found if c.complete))
+    complete = [c for c in found if c.complete]
+    return rc.CheckpointListing(
+        uri, tuple(c.step for c in complete), {c.step: c.digest for c in complete}
+    )
 
 
 def _attempt_view(
@@ -214,6 +234,9 @@ def _attempt_view(
                 resumed_step=(r.get("resumed") or {}).get("step"),
                 resumed_digest=(r.get("resumed") or {}).get("manifest_digest"),
                 report_age_s=r.get("report_age_s"),
+                step_time=r.get("step_time")
+                if isinstance(r.get("step_time"), int | float)
+                else None,
             )
             for r in prog.get("ranks", []) or []
             if isinstance(r, dict)
@@ -378,6 +401,20 @@ def _excluded_hosts(s: Session, job_id: str) -> frozenset[str]:
         )
     ):
         out.update(h for h in (r.result or {}).get("exclude_hosts", ()) if isinstance(h, str))
+    return frozenset(out)
+
+
+def _poisoned(s: Session, job_id: str) -> frozenset[tuple[int, str]]:
+    """Checkpoints earlier rollbacks of this job went past (CONFIRM results)."""
+    out: set[tuple[int, str]] = set()
+    for r in s.scalars(
+        select(StepRow).where(
+            StepRow.job_id == job_id, StepRow.step == str(ProtocolStep.CONFIRM_CHECKPOINT)
+        )
+    ):
+        for step, digest in ((r.result or {}).get("poisoned") or {}).items():
+            if str(step).isdigit() and isinstance(digest, str):
+                out.add((int(step), digest))
     return frozenset(out)
 
 

@@ -192,6 +192,7 @@ def record_attempt(
                 "in_place": action.in_place,
                 "exclude_hosts": list(action.exclude_hosts),
                 "skip_steps": list(action.skip_steps) if action.skip_steps else None,
+                "collective_timeout_s": action.collective_timeout_s,
                 **(p.knobs.to_dict() if p.knobs else {}),
             },
             resume_step=action.resume_step,

@@ -266,9 +266,7 @@ def test_policy_refuses_nonsense():
     ],
     ids=["ordered", "any_of", "plain-list"],
 )
-def test_ordered_accelerators_are_a_strict_preference_any_of_is_ranked_by_cost(
-    accelerators, first
-):
+def test_ordered_accelerators_are_a_strict_preference_any_of_is_ranked_by_cost(accelerators, first):
     cands = [
         cand("aws", "us-east-1", "p5.48xlarge", 30.0, acc="H100", mem=80.0, pref=0),
         cand("aws", "us-east-1", "p4d.24xlarge", 10.0, pref=1),

@@ -321,3 +321,57 @@ def test_ranks_that_hold_a_diverged_state_are_stopped_without_a_save():
         assert out[1].type == "stop" and out[1].args["save"] is False
     out = rc.decide(snap(status=S.RECOVERING, incident=incident(F.NODE_LOST, done(P.DETECT))))
     assert "save" not in out[1].args
+
+
+# --- the collective timeout comes from what the job measured ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "step_s, save_s, expected",
+    [
+        (None, None, None),  # nothing measured: torch's default stays
+        (0.5, None, 60),  # a fast job: the floor (start-up)
+        (2.0, 9.0, 90),  # a long blocking save dominates
+        (120.0, None, 600),  # never past torch's own default
+    ],
+    ids=["unmeasured", "floor", "save-dominates", "cap"],
+)
+def test_the_collective_timeout_is_ten_times_the_slowest_measured_wait(step_s, save_s, expected):
+    from orchestrator.domain.advisor import collective_timeout_s
+
+    assert collective_timeout_s(step_s, save_s) == expected
+
+
+def test_a_relaunch_carries_the_timeout_derived_from_the_failed_attempt():
+    ranks = tuple(rc.RankView(rank=i, step=50, report_age_s=0.2, step_time=3.0) for i in range(2))
+    a = attempt(nodes=(replace(node(0), ranks=ranks), node(1)))
+    steps = confirmed(
+        40,
+        **{
+            P.SELECT_REPLACEMENT: rc.StepView(
+                ago(3), ago(2), O.OK, result={"placement": R1.to_dict(), "in_place": False}
+            ),
+            P.STAGE: rc.StepView(ago(2), ago(1), O.OK),
+        },
+    )
+    inc = incident(F.NODE_LOST, steps)
+    out = rc.decide(snap(status=S.RECOVERING, incident=inc, attempt=a, blocking_save_s=1.0))
+    (rec,) = [o for o in out if isinstance(o, rc.RecordAttempt)]
+    assert rec.collective_timeout_s == 60  # 10 x 3 s step < the 60 s floor
+
+
+def test_checkpoints_a_rollback_went_past_are_never_resumed_by_a_later_incident():
+    listing = rc.CheckpointListing("file:///ckpt", (20, 30, 40), {20: "a", 30: "b", 40: "c"})
+    spike = incident(F.LOSS_SPIKE, done(P.DETECT, P.SIGNAL), onset_step=30)
+    out = rc.decide(snap(status=S.RECOVERING, incident=spike, listing=listing))
+    fin = next(o for o in out if isinstance(o, rc.FinishStep))
+    assert fin.result["step"] == 20 and fin.result["poisoned"] == {"30": "b", "40": "c"}
+    # The next incident (another class) before the run saved step 30 again: from 20.
+    lost = incident(F.NODE_LOST, done(P.DETECT, P.SIGNAL))
+    poisoned = frozenset({(30, "b"), (40, "c")})
+    out = rc.decide(snap(status=S.RECOVERING, incident=lost, listing=listing, poisoned=poisoned))
+    assert next(o for o in out if isinstance(o, rc.FinishStep)).result["step"] == 20
+    # Once step 30 was saved again (a new manifest), it is a good checkpoint.
+    again = rc.CheckpointListing("file:///ckpt", (20, 30), {20: "a", 30: "new"})
+    out = rc.decide(snap(status=S.RECOVERING, incident=lost, listing=again, poisoned=poisoned))
+    assert next(o for o in out if isinstance(o, rc.FinishStep)).result["step"] == 30

@@ -25,6 +25,7 @@ import argparse
 import os
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ from torch import nn
 
 from orchestrator.contract import Env
 from training import ResumableSampler, Run, chaos
+from training.knobs import collective_timeout_from_env
 
 
 class Block(nn.Module):
@@ -175,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if "RANK" in os.environ:
-        dist.init_process_group("gloo")
+        # The service's collective timeout (from the measured step time) on relaunch.
+        timeout = timedelta(seconds=collective_timeout_from_env())
+        dist.init_process_group("gloo", timeout=timeout)
     rank = dist.get_rank() if dist.is_initialized() else 0
 
     torch.manual_seed(args.seed)
