@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
-from orchestrator.contract import CommandType, EventKind, ExitCode
+from orchestrator.contract import AttemptState, CommandType, EventKind, ExitCode
 from orchestrator.domain import remedy as rm
 from orchestrator.domain.advisor import collective_timeout_s, interval_changed_meaningfully
 from orchestrator.domain.failures import FailureClass
@@ -466,7 +466,7 @@ def primary_cause(failures: tuple[Failure, ...]) -> Failure:
 def detect(s: JobSnapshot, a: AttemptView, cfg: ReconcileConfig) -> RecordFailure | None:
     """A failure nobody reported: a node that vanished, went silent or never came up,
     or a rank that stopped making progress. None while the attempt looks healthy."""
-    if a.state not in ("launching", "running"):
+    if a.state not in (AttemptState.LAUNCHING, AttemptState.RUNNING):
         return None
     seen = {n.node_rank: n for n in a.nodes}
     if a.vanished:
@@ -581,14 +581,14 @@ def decide(s: JobSnapshot, cfg: ReconcileConfig | None = None) -> list[Action]:
     cfg = cfg or ReconcileConfig()
     a = s.attempt
     if s.status.is_terminal():
-        if a is not None and a.state != "ended":
+        if a is not None and a.state != AttemptState.ENDED:
             return [Release(a.number, f"job {s.status}")]
         return []
     if a is None:
         return _first_launch(s)
     if s.incident is not None:
         return _protocol(s, a, s.incident, cfg)
-    if not a.launched and a.state == "launching":
+    if not a.launched and a.state == AttemptState.LAUNCHING:
         return _launch(s, a, None, cfg)
 
     failures = _actionable(s, cfg)
@@ -637,7 +637,7 @@ def decide(s: JobSnapshot, cfg: ReconcileConfig | None = None) -> list[Action]:
         if s.status is JobStatus.PROVISIONING:  # finished before every rank reported in
             done.insert(0, SetStatus(JobStatus.RUNNING, "every node ran to completion"))
         return done
-    if a.state == "ended":
+    if a.state == AttemptState.ENDED:
         return [SetStatus(JobStatus.FAILED, f"attempt {a.number} ended with no outcome recorded")]
 
     if a.validated_step is None:
@@ -662,7 +662,7 @@ def decide(s: JobSnapshot, cfg: ReconcileConfig | None = None) -> list[Action]:
 
 def _fail(a: AttemptView | None, reason: str) -> list[Action]:
     out: list[Action] = [SetStatus(JobStatus.FAILED, reason[:2000])]
-    if a is not None and a.state != "ended":
+    if a is not None and a.state != AttemptState.ENDED:
         out.append(Release(a.number, reason))
     return out
 
@@ -676,9 +676,7 @@ def _knobs_for_memory(spec: JobSpec, p: Placement) -> tuple[Placement, str | Non
         plan = plan_memory(spec.model, p.gpu_memory_gib, spec.num_nodes * spec.ranks_per_node)
     except (DoesNotFit, BatchNotDivisible) as e:
         return p, str(e)
-    return Placement(
-        **{**p.__dict__, "knobs": plan.knobs, "reasons": (*p.reasons, *plan.reasons)}
-    ), None
+    return replace(p, knobs=plan.knobs, reasons=(*p.reasons, *plan.reasons)), None
 
 
 def _first_launch(s: JobSnapshot) -> list[Action]:

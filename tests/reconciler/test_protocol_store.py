@@ -369,7 +369,8 @@ def test_a_loss_spike_rolls_back_past_newer_checkpoints_and_stages_the_older_one
     assert req.env[Env.EXPECTED_STEP] == "20"
     staged = w.launcher.node_disk(w.job, 2, 0) / "staged"
     assert [p.name for p in staged.iterdir()] == ["step_20"]
-    (inc,) = incidents(w.sm(), w.job)
+    with w.sm() as s:
+        (inc,) = incidents(s, w.job)
     assert inc["failure_class"] == "loss_spike" and inc["remedy"] == "rollback_last_good"
 
 
@@ -400,7 +401,8 @@ def test_a_straggler_reported_by_rank_0_is_blamed_on_the_slow_rank_s_node(world)
     w.report(1, 0, body)
     w.tick()
     assert w.status() == "RECOVERING"
-    (inc,) = incidents(w.sm(), w.job)
+    with w.sm() as s:
+        (inc,) = incidents(s, w.job)
     assert inc["failure_class"] == "slow_peer" and inc["node_id"] == f"{w.job}-a1-n1"
     w.tick()
     (cmd,) = w.commands()
