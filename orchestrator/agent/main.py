@@ -52,7 +52,7 @@ from orchestrator.agent.client import (
     backoff_delays,
 )
 from orchestrator.agent.progress import ProgressBoard, ProgressListener, finite
-from orchestrator.contract import CommandType, Env, ExitCode, FaultKind
+from orchestrator.contract import CommandType, Env, ExitCode, FaultKind, ReportKind
 
 log = logging.getLogger("skyresume.agent")
 
@@ -463,9 +463,11 @@ class Agent:
 
     # --- reports ---------------------------------------------------------------------
 
-    def report(self, kind: str, key: str, **fields: Any) -> None:
+    def report(self, kind: ReportKind, key: str, **fields: Any) -> None:
         if self.client is None:
-            log.info("report %s %s", kind, fields if kind != "rank_exit" else fields.get("rank"))
+            log.info(
+                "report %s %s", kind, fields if kind != ReportKind.RANK_EXIT else fields.get("rank")
+            )
             return
         self.outbox.put({"key": key[:64], "kind": kind, **fields})
 
@@ -502,7 +504,7 @@ class Agent:
         kind = doc.get("type")
         if kind == "checkpoint" and doc.get("rank") == 0 and isinstance(doc.get("step"), int):
             self.report(
-                "checkpoint",
+                ReportKind.CHECKPOINT,
                 f"checkpoint:{doc['step']}",
                 step=doc["step"],
                 path=_str_or_none(doc.get("path")),
@@ -520,7 +522,7 @@ class Agent:
             step = doc.get("step") if isinstance(doc.get("step"), int) else None
             detail = {k: v for k, v in doc.items() if k not in ("type", "rank")}
             self.report(
-                "anomaly",
+                ReportKind.ANOMALY,
                 f"anomaly:{doc['rank']}:{doc.get('kind')}:{step}",
                 rank=doc["rank"],
                 finding=finding,
@@ -753,7 +755,7 @@ class Agent:
             log.warning("%s: reported only; waiting for the service's command", what)
         deadline = notice.deadline.isoformat() if notice.deadline else None
         self.report(
-            "preemption_notice",
+            ReportKind.PREEMPTION_NOTICE,
             f"notice:{notice.provider.value}:{notice.kind.value}:{deadline}",
             provider=notice.provider.value,
             notice_kind=notice.kind.value,
@@ -801,14 +803,14 @@ class Agent:
             )
         bad = hc.failed(results)
         text = hc.summary(results)
-        self.report("health_check", "health_check", checks=[r.to_json() for r in results])
+        self.report(ReportKind.HEALTH_CHECK, "health_check", checks=[r.to_json() for r in results])
         if not bad:
             log.info("health checks: %s", text)
             return True
         log.error("health check failed, torchrun not started: %s", text)
         self.state = "exited"
         self.report(
-            "node_exit",
+            ReportKind.NODE_EXIT,
             "node_exit",
             exit_code=EXIT_HEALTH_CHECK_FAILED,
             reason=f"health check failed: {text}"[:1024],
@@ -844,7 +846,7 @@ class Agent:
         findings = ev.summarize(stacks) + ev.fr_findings(fr)
         log.warning("evidence (%.2f s): %s", took, " | ".join(findings) or "nothing")
         self.report(
-            "evidence",
+            ReportKind.EVIDENCE,
             key,
             trigger=trigger[:256],
             ranks=sorted(stacks, key=lambda x: x["rank"]),
@@ -865,7 +867,7 @@ class Agent:
         fr = ev.collect_fr_dumps(self.rank_env().get(ev.FR_PREFIX_ENV), seen=self._fr_seen)
         if fr:
             self.report(
-                "evidence",
+                ReportKind.EVIDENCE,
                 "evidence:node_exit",
                 trigger="node exit",
                 ranks=[],
@@ -971,7 +973,7 @@ class Agent:
             return
         r.reported = True
         self.report(
-            "rank_exit",
+            ReportKind.RANK_EXIT,
             f"rank_exit:{r.rank}",
             rank=r.rank,
             local_rank=r.local_rank,
@@ -1077,7 +1079,10 @@ class Agent:
         except OSError as e:
             log.error("could not start ranks: %s", e)
             self.report(
-                "node_exit", "node_exit", exit_code=EXIT_FAILED, reason=f"launch failed: {e}"
+                ReportKind.NODE_EXIT,
+                "node_exit",
+                exit_code=EXIT_FAILED,
+                reason=f"launch failed: {e}",
             )
             self._finish()
             return EXIT_FAILED
@@ -1090,7 +1095,7 @@ class Agent:
         last = self.board.last_checkpoint()
         self.state = "exited"
         self.report(
-            "node_exit",
+            ReportKind.NODE_EXIT,
             "node_exit",
             exit_code=code,
             reason=reason,
