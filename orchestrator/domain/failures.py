@@ -807,9 +807,9 @@ def _loss_spike(lines: list[str]) -> str | None:
         if b:
             series.setdefault("", []).append((float(b.group(1)), line))
     for points in series.values():
-        found = _jump(points, _SPIKE_RELATIVE, 2, _SPIKE_SINGLE_RELATIVE)
-        if found is not None:
-            return found
+        jump = _jump(points, _SPIKE_RELATIVE, 2, _SPIKE_SINGLE_RELATIVE)
+        if jump is not None:
+            return jump
     return None
 
 
