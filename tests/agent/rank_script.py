@@ -46,7 +46,7 @@ while not stop:
     send("progress", step=step, step_time=0.02, loss=1.0 / step, grad_norm=0.5, samples_per_s=1.0)
     if crash == f"{rank}:{step}":
         print("about to fail", flush=True)
-        raise RuntimeError(f"rank {rank} hit a bug at step {step}")
+        raise ValueError(f"rank {rank} hit a bug at step {step}")
     time.sleep(0.02)
 print(f"rank {rank}: stop requested; saved step {step}", file=sys.stderr, flush=True)
 if rank == 0:

@@ -189,8 +189,10 @@ def test_a_crashing_rank_is_reported_classified_with_its_log_tail(service, start
     assert run.sigtermed() == ["sigterm_0"]  # the survivor was stopped, and saved
     exits = {e["rank"]: e for e in service.events(job) if e["kind"] == "rank_exit"}
     crash = exits[1]
+    # An ordinary Python error raised from the script's own frame: the user's bug (a
+    # bare RuntimeError is torch's word for everything, so it alone would be unknown).
     assert crash["details"]["exit_code"] == 1 and crash["failure_class"] == "user_code_error"
-    assert crash["details"]["log_tail"][-1] == "RuntimeError: rank 1 hit a bug at step 30"
+    assert crash["details"]["log_tail"][-1] == "ValueError: rank 1 hit a bug at step 30"
     assert exits[0]["details"]["exit_code"] == 75
     (node_exit,) = [e for e in service.events(job) if e["kind"] == "node_exit"]
     assert node_exit["details"]["reason"].startswith("rank 1 ended with exit code 1")
