@@ -46,6 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from orchestrator.demo import (  # noqa: E402
+    TINY_MODEL,
     DemoService,
     api_get,
     api_post,
@@ -319,18 +320,7 @@ REMEDIES: list[tuple[str, dict[str, Any], str, dict[str, Any]]] = [
         "oom",
         {"action": "oom", "node": 0, "rank": 0},
         "",
-        {
-            "model": {
-                "parameters": 200_000,
-                "layers": 1,
-                "hidden_size": 64,
-                "heads": 2,
-                "seq_len": 32,
-                "global_batch": 8,
-                "micro_batch": 2,
-                "dtype": "fp32",
-            }
-        },
+        {"model": TINY_MODEL},
     ),
     ("spike", {"action": "spike", "node": 0}, "", {}),
     ("xid", {"action": "xid", "node": 1, "rank": 2}, "", {}),
