@@ -46,8 +46,9 @@ class Env:
     EXPECTED_STEP = "SKYRESUME_RUN_EXPECTED_STEP"
     CHECKPOINT_EVERY = "SKYRESUME_RUN_CHECKPOINT_EVERY"
     #: ``FIRST-LAST``: after a rollback past an anomaly (``on_anomaly: rollback_skip``),
-    #: the batches of these steps are skipped, so the data that caused it is not
-    #: replayed; the step counter still advances over them.
+    #: the batches of these steps are skipped (the data position moves past them when
+    #: the run reaches FIRST), so the data that preceded it is not replayed; the step
+    #: counter does not move.
     SKIP_STEPS = "SKYRESUME_RUN_SKIP_STEPS"
     #: Seconds a collective may wait before the watchdog fails it (the process group's
     #: timeout), derived by the service from the job's measured step and save times

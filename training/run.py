@@ -100,6 +100,21 @@ class RunExit(SystemExit):
         return f"{self.exit_code.name} ({int(self.exit_code)}): {self.reason}"
 
 
+def _env_range(env: Mapping[str, str], name: str) -> tuple[int, int] | None:
+    """``FIRST-LAST`` (inclusive, FIRST <= LAST) or None when unset."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    first, sep, last = raw.partition("-")
+    try:
+        lo, hi = int(first), int(last)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: want FIRST-LAST, two step numbers") from None
+    if not sep or lo < 0 or hi < lo:
+        raise ValueError(f"{name}={raw!r}: want FIRST-LAST with 0 <= FIRST <= LAST")
+    return lo, hi
+
+
 def _env_int(env: Mapping[str, str], name: str, default: int | None) -> int | None:
     raw = env.get(name, "").strip()
     if not raw:
@@ -124,6 +139,11 @@ class RunConfig:
     """``latest`` | ``none`` | a local path or file:// URI of one ``step_<N>`` directory."""
     expected_step: int | None = None
     """Set by the reconciler after staging: ranks refuse to train on any other step."""
+    skip_steps: tuple[int, int] | None = None
+    """(first, last): after a rollback past an anomaly (``on_anomaly: rollback_skip``),
+    when the run reaches step ``first`` the data position moves past the batches of
+    steps ``first..last``, so the data that preceded the anomaly is not replayed. The
+    step counter does not move: every step is still one optimizer update."""
     checkpoint_every: int = 100
     """Steps between periodic saves; 0 = none. The control file may change it."""
     keep: int = 3
@@ -192,6 +212,7 @@ class RunConfig:
             local_dir=env.get(Env.LOCAL_CHECKPOINT_DIR, ""),
             resume_from=env.get(Env.RESUME_FROM, "") or "latest",
             expected_step=_env_int(env, Env.EXPECTED_STEP, None),
+            skip_steps=_env_range(env, Env.SKIP_STEPS),
             checkpoint_every=_env_int(env, Env.CHECKPOINT_EVERY, 100) or 0,
             keep=_env_int(env, Env.CHECKPOINT_KEEP, 3) or 3,
             global_batch=_env_int(env, Env.GLOBAL_BATCH, None),
@@ -260,6 +281,7 @@ class Run:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.sampler = sampler
+        self._skipped = False
         self.reference_fn = reference_fn
         self.extra_state = dict(extra_state or {})
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -563,9 +585,33 @@ class Run:
         while self.step < max_steps:
             if self.should_stop():
                 self.stop_and_exit()
+            self._skip_batches()
             self._begin_step()
             yield self.step
             self.end_step()
+
+    def _skip_batches(self) -> None:
+        """rollback_skip: at the window's first step, move the data past its batches."""
+        window = self.config.skip_steps
+        if window is None or self.step != window[0] or self._skipped:
+            return
+        self._skipped = True
+        first, last = window
+        if self.sampler is None:
+            print(
+                f"rank {self.rank}: cannot skip the batches of steps {first}-{last}: "
+                "the run has no ResumableSampler",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        for _ in range(last - first + 1):
+            self.sampler.advance()
+        print(
+            f"rank {self.rank}: skipped the batches of steps {first}-{last} (rollback_skip)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _begin_step(self) -> None:
         self._times.started = time.perf_counter()

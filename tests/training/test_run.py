@@ -182,3 +182,30 @@ def test_config_from_env_reads_the_contract_and_names_bad_values():
         RunConfig(keep=1)
     with pytest.raises(ValueError, match="use file:///abs/path, s3:// or gs://"):
         RunConfig(checkpoint_uri="ftp://x/y")
+
+
+def test_rollback_skip_moves_the_data_past_the_window_and_keeps_every_step_an_update(tmp_path):
+    """SKYRESUME_RUN_SKIP_STEPS=3-5: at step 3 the sampler jumps 3 global batches; the
+    step counter goes on 3, 4, ... (each still one optimizer update)."""
+    run, model, opt, sampler, data = _make(tmp_path, skip_steps=(3, 5), checkpoint_every=0)
+    seen = []
+    for step in run.steps(6):
+        seen.append((step, sampler.consumed))
+        loss = model(data[sampler.indices()]).pow(2).mean()
+        loss.backward()
+        run.report(loss=loss, grad_norm=torch.tensor(0.1))
+        opt.step()
+        opt.zero_grad()
+    run.finish()
+    gb = sampler.global_batch
+    assert [s for s, _ in seen] == [0, 1, 2, 3, 4, 5]
+    assert [c // gb for _, c in seen] == [0, 1, 2, 6, 7, 8]  # batches 3, 4, 5 skipped
+
+
+def test_a_bad_skip_window_is_refused_naming_the_variable():
+    from training.run import _env_range
+
+    assert _env_range({Env.SKIP_STEPS: "41-52"}, Env.SKIP_STEPS) == (41, 52)
+    for bad in ("52-41", "x-3", "7"):
+        with pytest.raises(ValueError, match=Env.SKIP_STEPS):
+            _env_range({Env.SKIP_STEPS: bad}, Env.SKIP_STEPS)
