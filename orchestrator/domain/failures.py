@@ -191,7 +191,11 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"Trying to resize storage that is not resizable",
         r"each element in list of batch should be of equal size",
         r"a leaf Variable that requires grad is being used in an in-place operation",
-        r"parameters that were not used in producing the loss|find_unused_parameters=True",
+        # DDP's error names the keyword; its warning ("find_unused_parameters=True was
+        # specified in DDP constructor, but did not find any unused parameters") is
+        # printed by every healthy run that sets it, and is no error at all.
+        r"parameters that were not used in producing the loss",
+        r"keyword argument `?find_unused_parameters=True",
         r"must have the same dtype",
         r"not implemented for '\w+'",
         r"Placeholder storage has not been allocated on MPS device",
@@ -205,6 +209,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"No stragglers? detected",
         r"Straggler Report at|straggler detect(ion|or) (is )?(enabled|initiali[sz]ed|started)",
         r"number of nan iterations:\s*0\b",
+        r"find_unused_parameters=True was specified in DDP constructor",
     )
     + _r(
         _F.PREEMPTION_NOTICE,

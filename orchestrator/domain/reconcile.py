@@ -63,10 +63,11 @@ SAVE_CLASSES = frozenset({_F.PREEMPTION_NOTICE, _F.SLOW_PEER})
 #: Classes whose ranks are stuck: their stacks are taken before they are stopped.
 STACK_CLASSES = frozenset({_F.NCCL_TIMEOUT, _F.RENDEZVOUS_FAILURE})
 
-#: Which failure names an incident when several arrive together, strongest first.
-#: Root causes a rank reports outrank what they do to the others: when a node
-#: vanishes, its peers' collectives break (transport errors, timeouts) and torchrun
-#: SIGTERMs the rest of each group; those are consequences, never the cause.
+#: Which failure a rank reported names an incident when several arrive together,
+#: strongest first (after a notice and a node the reconciler saw vanish, see
+#: :func:`primary_cause`). Root causes outrank what they do to the others: a rank's
+#: OOM stalls its peers' collectives (timeouts) and torchrun SIGTERMs the rest of
+#: each group; those are consequences, never the cause.
 CAUSE_ORDER: tuple[frozenset[FailureClass], ...] = (
     frozenset({_F.PREEMPTION_NOTICE}),
     frozenset(
@@ -450,16 +451,23 @@ def _age(now: datetime, then: datetime | None) -> float:
 
 
 def primary_cause(failures: tuple[Failure, ...]) -> Failure:
-    """The first cause among failures that arrived together: the strongest class in
-    :data:`CAUSE_ORDER`, the earliest within it; a node the reconciler saw vanish
-    names a loss before a survivor's log that merely reads like one."""
+    """The first cause among failures that arrived together.
+
+    A notice first; then a node the reconciler saw vanish or go silent, whatever its
+    peers' logs say (they crash *because* it vanished: a collective to a dead peer
+    reads like anything, a transport error, a timeout, even a user error when a
+    warning line matches); then the strongest class in :data:`CAUSE_ORDER`, the
+    earliest within it."""
+    notices = [f for f in failures if f.failure_class is _F.PREEMPTION_NOTICE]
+    if notices:
+        return min(notices, key=lambda f: (f.occurred_at, f.event_id))
+    lost = [f for f in failures if f.kind == EventKind.NODE_LOST]
+    if lost:
+        return min(lost, key=lambda f: (f.occurred_at, f.event_id))
     for group in CAUSE_ORDER:
         found = [f for f in failures if f.failure_class in group]
         if found:
-            return min(
-                found,
-                key=lambda f: (f.kind != EventKind.NODE_LOST, f.occurred_at, f.event_id),
-            )
+            return min(found, key=lambda f: (f.occurred_at, f.event_id))
     return failures[0]
 
 

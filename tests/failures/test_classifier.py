@@ -1085,3 +1085,21 @@ def test_a_per_rank_time_table_with_one_slow_row_is_a_slow_peer() -> None:
     got = classify_failure(None, None, log)
     assert got.failure_class is F.SLOW_PEER
     assert got.evidence == ("  2      0.020      3.90",)
+
+
+def test_ddp_s_warning_that_every_healthy_run_prints_is_not_a_user_error():
+    """Seen in the demo: a survivor of a killed node prints DDP's find_unused_parameters
+    warning and then gloo's connection reset; the reset names the class."""
+    warning = (
+        "[rank2]:[W1201 09:33:17.706186386 reducer.cpp:1529] Warning: "
+        "find_unused_parameters=True was specified in DDP constructor, but did not find any "
+        "unused parameters in the forward pass. This flag results in an extra traversal of "
+        "the autograd graph every iteration,  which can adversely affect performance."
+    )
+    reset = (
+        "[rank2]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
+        "pair.cc:537] Read error [127.0.0.1]:46744: Connection reset by peer. This is "
+        "typically caused by a remote worker hanging or bugs in the application."
+    )
+    assert classify_failure(1, None, f"{warning}\n{reset}").failure_class is F.NODE_LOST
+    assert classify_failure(1, None, warning).failure_class is F.UNKNOWN

@@ -375,3 +375,13 @@ def test_checkpoints_a_rollback_went_past_are_never_resumed_by_a_later_incident(
     again = rc.CheckpointListing("file:///ckpt", (20, 30), {20: "a", 30: "new"})
     out = rc.decide(snap(status=S.RECOVERING, incident=lost, listing=again, poisoned=poisoned))
     assert next(o for o in out if isinstance(o, rc.FinishStep)).result["step"] == 30
+
+
+def test_a_vanished_node_names_the_incident_whatever_its_survivors_logs_say():
+    """Seen in the demo: a survivor's log read as a user error (a DDP warning line);
+    the node the reconciler saw vanish is still the cause, the rest consequences."""
+    survivor = failure(F.USER_CODE_ERROR, "rank_exit", "j-a1-n1", code=1, id_=5)
+    lost = failure(F.NODE_LOST, "node_lost", "j-a1-n0", id_=8)
+    a = attempt(nodes=(node(0, alive=False), node(1)))
+    out = rc.decide(snap(attempt=a, failures=(survivor, lost)))
+    assert out[0].cause == lost and out[0].consequences == (5,)
