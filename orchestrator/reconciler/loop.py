@@ -172,19 +172,7 @@ class Reconciler:
                 work.replan_attempt(s, job_id, n, p, reason, now)
             case rc.RecordFailure():
                 number = rows.attempt.number if rows.attempt else 0
-                where = action.node_id or "all"
-                repo.record_event(
-                    s,
-                    job_id,
-                    idempotency_key=f"{action.kind}-a{number}-{where}-{action.rank}",
-                    kind=action.kind,
-                    failure_class=str(action.failure_class),
-                    node_id=action.node_id,
-                    rank=action.rank,
-                    message=action.message,
-                    details={"attempt": number, "detected_by": "reconciler"},
-                    now=now,
-                )
+                work.record_failure(s, job_id, number, action, now)
             case rc.OpenIncident():
                 work.open_incident(s, job_id, action, now)
             case rc.StartStep(incident_id=i, step=step):

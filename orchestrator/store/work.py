@@ -107,6 +107,25 @@ def finish_step(
     s.flush()
 
 
+def record_failure(
+    s: Session, job_id: str, attempt: int, action: rc.RecordFailure, now: datetime
+) -> None:
+    """A failure the reconciler detected itself, once per (kind, attempt, node, rank)."""
+    where = action.node_id or "all"
+    repo.record_event(
+        s,
+        job_id,
+        idempotency_key=f"{action.kind}-a{attempt}-{where}-{action.rank}",
+        kind=action.kind,
+        failure_class=str(action.failure_class),
+        node_id=action.node_id,
+        rank=action.rank,
+        message=action.message,
+        details={"attempt": attempt, "detected_by": "reconciler"},
+        now=now,
+    )
+
+
 def open_incident(s: Session, job_id: str, action: rc.OpenIncident, now: datetime) -> int:
     cause = action.cause
     inc, _ = repo.record_event(
