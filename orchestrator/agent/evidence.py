@@ -315,7 +315,9 @@ def catches_signal(pid: int, signum: int, proc: str = "/proc") -> bool:
             if line.startswith("SigCgt:"):
                 return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
     except (OSError, ValueError, IndexError):
-        pass
+        # Unreadable: assume no handler, so the agent never sends a signal that would
+        # kill the rank instead of making it dump its stack.
+        return False
     return False
 
 
