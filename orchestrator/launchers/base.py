@@ -59,6 +59,29 @@ class LaunchHandle:
     node_ids: tuple[str, ...] = ()
     hosts: tuple[str, ...] = ()
     """The host of each node, in node order, where the launcher knows it."""
+    request_id: str = ""
+    """The provider's id for the launch request (SkyPilot's request id; the local
+    provisioner's own), which :meth:`Launcher.progress` polls."""
+
+
+class LaunchPhase(StrEnum):
+    PROVISIONING = "provisioning"  # asked for; the nodes are not all up yet
+    UP = "up"  # every node is provisioned and its task's run has started
+    FAILED = "failed"  # the request failed inside the provider (``LaunchProgress.detail``)
+    UNKNOWN = "unknown"  # the provider could not be read now: neither up nor failed
+
+
+@dataclass(frozen=True)
+class LaunchProgress:
+    """Where a launch request is. A launch takes minutes on a cloud and can fail
+    after it was accepted; the reconciler polls this instead of waiting on it."""
+
+    phase: LaunchPhase
+    detail: str = ""
+    capacity: bool = False
+    """FAILED for want of capacity or quota (a stockout): the job re-plans."""
+    hosts: tuple[str, ...] = ()
+    """The host of each node once known (UP), in node order."""
 
 
 @dataclass(frozen=True)
@@ -91,12 +114,20 @@ class Launcher(Protocol):
         ...
 
     def launch(self, request: LaunchRequest) -> LaunchHandle:
-        """Start the nodes (idempotent per job and attempt); CapacityError on a
-        stockout, LaunchError otherwise."""
+        """Ask for the nodes and return at once with the request's handle (idempotent
+        per job and attempt): provisioning is polled with :meth:`progress`, never
+        waited on. CapacityError or LaunchError only when the request itself is
+        refused before it is accepted (a bad task, a stocked-out region known now)."""
+        ...
+
+    def progress(self, handle: LaunchHandle) -> LaunchProgress:
+        """Where the launch (or restart) request of ``handle`` is. Never raises: a
+        provider that cannot be read now is UNKNOWN."""
         ...
 
     def restart(self, previous: LaunchHandle, request: LaunchRequest) -> LaunchHandle:
-        """Start ``request`` on the nodes of ``previous`` (``abilities.restarts_in_place``)."""
+        """Start ``request`` on the nodes of ``previous`` (``abilities.restarts_in_place``);
+        like :meth:`launch`, a request that is polled."""
         ...
 
     def status(self, handle: LaunchHandle) -> ClusterStatus: ...
