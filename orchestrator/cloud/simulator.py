@@ -13,14 +13,25 @@ created on first use. The admin API schedules and clears notices and injects fau
     GET    /admin/nodes/<node>         state and request counters (JSON)
 
 Run it standalone with ``python -m orchestrator.cloud.simulator --port P``.
+
+A node that is a host of its own (a network namespace, see
+:mod:`orchestrator.launchers.netns`) reaches its metadata at the real address. There a
+:class:`MetadataFront` listens and forwards every request, as it came, to this
+simulator's ``/nodes/<node>`` URL, and every answer, as it came, back:
+
+    python -m orchestrator.cloud.simulator front --listen 169.254.169.254:80 \
+        --upstream http://GATEWAY:PORT/nodes/NODE
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import http.client
 import json
 import secrets
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -88,7 +99,7 @@ class MetadataSimulator:
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host!s}:{port}"
 
     def node_url(self, node: str) -> str:
         return f"{self.url}/nodes/{node}"
@@ -399,8 +410,152 @@ class _Handler(BaseHTTPRequestHandler):
 
 AWS_TTL_RESPONSE = md.AWS_TOKEN_TTL_HEADER
 
+# Hop-by-hop headers belong to one connection, not to the request (RFC 9110 7.6.1);
+# Content-Length is recomputed from the body actually relayed.
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+        "host",
+    }
+)
+
+
+class MetadataFront:
+    """One node's metadata service at the real address, relaying to a shared simulator.
+
+    Method, path, query, headers (``X-aws-ec2-metadata-token``, ``Metadata-Flavor``,
+    ``Metadata``, ...) and body go upstream unchanged; status, headers and body come
+    back unchanged, so IMDSv2 tokens, GCP's ``wait_for_change`` long polls and Azure's
+    scheduled events behave exactly as against the simulator itself. An unreachable
+    upstream answers 502: a poller reads that as *unknown*, which is the truth.
+    """
+
+    def __init__(self, host: str, port: int, upstream: str) -> None:
+        up = urlsplit(upstream)
+        if up.scheme != "http" or not up.hostname:
+            raise ValueError(f"upstream must be an http:// URL, got {upstream!r}")
+        self.upstream = upstream
+        self._up_host, self._up_port = up.hostname, up.port or 80
+        self._up_netloc = up.netloc
+        self._up_path = up.path.rstrip("/")
+        #: Longer than the longest long poll the simulator holds open.
+        self.timeout_s = MAX_WAIT_S + 30
+        front = self
+
+        class Handler(_FrontHandler):
+            relay = front
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def start(self) -> MetadataFront:
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        if self._thread:
+            self._thread.join(5)
+
+    def __enter__(self) -> MetadataFront:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def serve_forever(self) -> None:
+        self._server.serve_forever(poll_interval=0.5)
+
+    def forward(
+        self, method: str, path: str, headers: list[tuple[str, str]], body: bytes | None
+    ) -> tuple[int, str, list[tuple[str, str]], bytes]:
+        conn = http.client.HTTPConnection(self._up_host, self._up_port, timeout=self.timeout_s)
+        try:
+            conn.putrequest(method, self._up_path + path, skip_host=True, skip_accept_encoding=True)
+            conn.putheader("Host", self._up_netloc)
+            for k, v in headers:
+                if k.lower() not in _HOP_BY_HOP:
+                    conn.putheader(k, v)
+            if body is not None:
+                conn.putheader("Content-Length", str(len(body)))
+            conn.endheaders(body)
+            resp = conn.getresponse()
+            data = resp.read()
+            kept = [(k, v) for k, v in resp.getheaders() if k.lower() not in _HOP_BY_HOP]
+            return resp.status, resp.reason, kept, data
+        finally:
+            conn.close()
+
+
+class _FrontHandler(BaseHTTPRequestHandler):
+    relay: MetadataFront
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet, like the simulator
+        pass
+
+    def _relay(self) -> None:
+        n = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(n) if n or "Content-Length" in self.headers else None
+        try:
+            status, reason, headers, data = self.relay.forward(
+                self.command, self.path, list(self.headers.items()), body
+            )
+        except (OSError, http.client.HTTPException) as e:
+            status, reason, data = 502, "Bad Gateway", f"metadata upstream: {e}".encode()
+            headers = [("Content-Type", "text/plain")]
+            print(f"metadata front: {self.command} {self.path}: {e}", file=sys.stderr, flush=True)
+        # send_response_only: the upstream's own Server and Date pass through as they came.
+        self.send_response_only(status, reason)
+        for k, v in headers:
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _relay
+
+
+def _front_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m orchestrator.cloud.simulator front",
+        description="Serve one node's metadata at LISTEN, relayed to UPSTREAM.",
+    )
+    parser.add_argument("--listen", default="169.254.169.254:80", help="HOST:PORT")
+    parser.add_argument("--upstream", required=True, help="the simulator's /nodes/<node> URL")
+    args = parser.parse_args(argv)
+    host, _, port = args.listen.rpartition(":")
+    if not host or not port.isdigit():
+        parser.error(f"--listen must be HOST:PORT, got {args.listen!r}")
+    front = MetadataFront(host, int(port), args.upstream)
+    # The one line on stdout: the launcher waits for it to know the front is bound.
+    print(f"metadata front at {front.url} -> {args.upstream}", flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        front.serve_forever()
+
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["front"]:
+        return _front_main(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
