@@ -16,6 +16,8 @@ from orchestrator.launchers.base import (
     ClusterState,
     ClusterStatus,
     LaunchHandle,
+    LaunchPhase,
+    LaunchProgress,
     LaunchRequest,
 )
 
@@ -102,9 +104,11 @@ class FakeLauncher:
     downed: list[str] = field(default_factory=list)
     dead: set[str] = field(default_factory=set)
 
-    abilities = LauncherAbilities(stages_node_disk=True, restarts_in_place=True)
+    abilities = LauncherAbilities(restarts_in_place=True)
     stocked_out: set[str] = field(default_factory=set)
     restarted: list[LaunchRequest] = field(default_factory=list)
+    provisioning: dict[str, LaunchProgress] = field(default_factory=dict)
+    """cluster name -> what ``progress`` answers (default: up at once)."""
 
     def candidates(self, spec, *, replacement=False):  # type: ignore[no-untyped-def]
         return [
@@ -117,10 +121,10 @@ class FakeLauncher:
         ids = tuple(f"{request.job_id}-a{request.attempt}-n{k}" for k in range(2))
         return LaunchHandle(previous.cluster_name, self.name, ids, previous.hosts)
 
-    def node_disk(self, job_id: str, attempt: int, index: int) -> Path:
-        d = self.root / f"{job_id}-a{attempt}-n{index}"
-        d.mkdir(parents=True, exist_ok=True)
-        return d
+    def progress(self, handle: LaunchHandle) -> LaunchProgress:
+        return self.provisioning.get(
+            handle.cluster_name, LaunchProgress(LaunchPhase.UP, hosts=handle.hosts)
+        )
 
     def launch(self, request: LaunchRequest) -> LaunchHandle:
         if request.placement.region in self.stocked_out:
@@ -128,7 +132,8 @@ class FakeLauncher:
         self.launched.append(request)
         ids = tuple(f"{request.job_id}-a{request.attempt}-n{k}" for k in range(2))
         hosts = tuple(f"h{request.attempt}-{k}" for k in range(2))
-        return LaunchHandle(f"{request.job_id}-a{request.attempt}", self.name, ids, hosts)
+        cluster = f"{request.job_id}-a{request.attempt}"
+        return LaunchHandle(cluster, self.name, ids, hosts, request_id=f"req-{cluster}")
 
     def status(self, handle: LaunchHandle) -> ClusterStatus:
         up = tuple(n for n in handle.node_ids if n not in self.dead)

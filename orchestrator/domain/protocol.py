@@ -1,5 +1,8 @@
 """The seven steps of the restart protocol, in order (see DESIGN.md, "Data flow").
 
+STAGE follows LAUNCH here, while DESIGN.md lists it first: the node stages the
+checkpoint itself, before torchrun starts, so it can only begin once the node is up.
+
 The store keeps one ``protocol_steps`` row per (incident, step) with its start and
 end, so every incident has an MTTR breakdown and a restarted service resumes at
 the first step without an ``ok`` or ``skipped`` outcome.
@@ -15,8 +18,8 @@ class ProtocolStep(StrEnum):
     SIGNAL = "signal"  # every surviving rank is told to checkpoint
     CONFIRM_CHECKPOINT = "confirm_checkpoint"  # manifest + COMMIT on every rank, before release
     SELECT_REPLACEMENT = "select_replacement"  # placement and knobs for the relaunch
-    STAGE = "stage"  # checkpoint to the new nodes' disks (or shared storage confirmed)
-    LAUNCH = "launch"  # relaunch with the checkpoint path
+    LAUNCH = "launch"  # the relaunch asked for, until its nodes are provisioned and up
+    STAGE = "stage"  # each node copies the checkpoint to its disk, before torchrun starts
     VALIDATE = "validate"  # every rank loaded the same step before the first optimizer step
 
 

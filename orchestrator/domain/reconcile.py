@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from enum import StrEnum
 from typing import Any
 
 from orchestrator.contract import AttemptState, CommandType, EventKind, ExitCode
@@ -109,10 +110,9 @@ class ReconcileConfig:
 
 @dataclass(frozen=True)
 class LauncherAbilities:
-    """What a launcher can do beyond launch/status/down, declared by the launcher."""
+    """What a launcher can do beyond launch/status/down, declared by the launcher.
+    (Staging is no ability: every node stages its checkpoint itself.)"""
 
-    stages_node_disk: bool = False
-    """The reconciler can stage a checkpoint onto each new node's disk before launch."""
     restarts_in_place: bool = False
     """It can start a new attempt on the nodes of the last one (no re-provisioning)."""
     chaos: bool = False
@@ -162,6 +162,38 @@ class LaunchFailure:
     message: str = ""
 
 
+class LaunchPhase(StrEnum):
+    """Where a launch request is (``Launcher.progress``)."""
+
+    PROVISIONING = "provisioning"  # asked for; the nodes are not all up yet
+    UP = "up"  # every node is provisioned and its task's run has started
+    FAILED = "failed"  # the request failed inside the provider
+    UNKNOWN = "unknown"  # the provider could not be read now: neither up nor failed
+
+
+@dataclass(frozen=True)
+class ProvisionView:
+    """The launcher's answer about the attempt's launch request, read while it is not
+    up yet."""
+
+    phase: LaunchPhase
+    detail: str = ""
+    capacity: bool = False
+    hosts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class StagedView:
+    """One node's report of staging the checkpoint onto its disk."""
+
+    node_id: str
+    ok: bool
+    step: int | None = None
+    detail: str = ""
+    bytes: int = 0
+    seconds: float = 0.0
+
+
 @dataclass(frozen=True)
 class AttemptView:
     number: int
@@ -181,6 +213,20 @@ class AttemptView:
     launch_failures: tuple[LaunchFailure, ...] = ()
     hosts: dict[str, str] = field(default_factory=dict)
     """node id -> host, from the launcher's handle."""
+    requested_at: datetime | None = None
+    """When the launch request was accepted (the provisioning timeout counts from it)."""
+    up_at: datetime | None = None
+    """When the launcher reported every node up (the register timeout counts from it);
+    None while provisioning."""
+    provision: ProvisionView | None = None
+    """The launch request's progress, read while launched and not up."""
+    staged: tuple[StagedView, ...] = ()
+    """The nodes' staging reports for this attempt."""
+
+    @property
+    def provisioning(self) -> bool:
+        """Asked for and not up yet."""
+        return self.launched and self.up_at is None
 
     @property
     def world_size(self) -> int:
@@ -336,6 +382,9 @@ class RecordAttempt:
     """rollback_skip: the ranks skip the batches of these steps (inclusive)."""
     collective_timeout_s: int | None = None
     """The process group's timeout from the measured step and save times."""
+    stage_from: str | None = None
+    """The confirmed step directory (``s3://``, ``gs://``, ``file://``) each node stages
+    onto its own disk before its ranks start; ``resume_from`` then names the staged copy."""
 
 
 @dataclass(frozen=True)
@@ -345,6 +394,24 @@ class StartNodes:
 
     number: int
     incident_id: int | None = None
+
+
+@dataclass(frozen=True)
+class MarkProvisioned:
+    """The launch request is done: every node is up (the register timeout starts)."""
+
+    number: int
+    hosts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class LaunchRequestFailed:
+    """The provider failed the accepted launch request (or it never came up in the
+    provisioning timeout): record it as a refused launch and give the nodes back."""
+
+    number: int
+    detail: str
+    capacity: bool
 
 
 @dataclass(frozen=True)
@@ -401,17 +468,6 @@ class SendCommand:
 
 
 @dataclass(frozen=True)
-class StageCheckpoint:
-    """Copy ``uri`` (verified, sha256) onto each node disk of attempt ``number``; the
-    executor finishes STAGE with what happened (ok, or failed and why)."""
-
-    incident_id: int
-    number: int
-    step: int
-    uri: str
-
-
-@dataclass(frozen=True)
 class Release:
     """Mark the attempt ended; tear its nodes down unless they stay for a restart in
     place."""
@@ -431,13 +487,14 @@ Action = (
     SetStatus
     | RecordAttempt
     | StartNodes
+    | MarkProvisioned
+    | LaunchRequestFailed
     | Replan
     | RecordFailure
     | OpenIncident
     | StartStep
     | FinishStep
     | SendCommand
-    | StageCheckpoint
     | Release
     | MarkValidated
 )
@@ -529,7 +586,7 @@ def detect(s: JobSnapshot, a: AttemptView, cfg: ReconcileConfig) -> RecordFailur
                 + (f" Also silent: ranks {others}." if others else ""),
                 rank=rank,
             )
-    if a.launched and _age(s.now, a.started_at) > cfg.register_timeout_s:
+    if a.up_at is not None and _age(s.now, a.up_at) > cfg.register_timeout_s:
         for k in range(a.num_nodes):
             if k not in seen:
                 return RecordFailure(
@@ -537,7 +594,7 @@ def detect(s: JobSnapshot, a: AttemptView, cfg: ReconcileConfig) -> RecordFailur
                     _F.NODE_LOST,
                     None,
                     f"node {k} of attempt {a.number} never registered "
-                    f"in {cfg.register_timeout_s:.0f} s",
+                    f"in {cfg.register_timeout_s:.0f} s after it was up",
                 )
     return None
 
@@ -596,7 +653,7 @@ def decide(s: JobSnapshot, cfg: ReconcileConfig | None = None) -> list[Action]:
         return _first_launch(s)
     if s.incident is not None:
         return _protocol(s, a, s.incident, cfg)
-    if not a.launched and a.state == AttemptState.LAUNCHING:
+    if a.state == AttemptState.LAUNCHING and (not a.launched or a.provisioning):
         return _launch(s, a, None, cfg)
 
     failures = _actionable(s, cfg)
@@ -655,7 +712,7 @@ def decide(s: JobSnapshot, cfg: ReconcileConfig | None = None) -> list[Action]:
             if s.status is JobStatus.PROVISIONING:
                 out.append(SetStatus(JobStatus.RUNNING, f"all {a.world_size} ranks at step {step}"))
             return out
-        if a.launched and _age(s.now, a.started_at) > cfg.validate_timeout_s:
+        if a.up_at is not None and _age(s.now, a.up_at) > cfg.validate_timeout_s:
             return [
                 RecordFailure(
                     EventKind.STUCK,
@@ -724,12 +781,12 @@ def _protocol(
         return start + _confirm(s, a, inc)
     if step is _P.SELECT_REPLACEMENT:
         return start + _select(s, a, inc)
-    if step is _P.STAGE:
-        return start + _stage(s, a, inc)
     if step is _P.LAUNCH:
         if a.number <= inc.attempt:
             return start + _record_relaunch(s, a, inc)
         return start + _launch(s, a, inc, cfg)
+    if step is _P.STAGE:
+        return start + _stage(s, a, inc, cfg)
     if step is _P.VALIDATE:
         return start + _validate(s, a, inc, cfg, started=view is not None)
     return []  # DETECT is written when the incident opens
@@ -893,19 +950,49 @@ def _select(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
     return [FinishStep(i, step, StepOutcome.OK, text, result)]
 
 
-def _stage(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
+def _stage(
+    s: JobSnapshot, a: AttemptView, inc: IncidentView, cfg: ReconcileConfig
+) -> list[Action]:
+    """The new nodes stage the confirmed checkpoint themselves, before torchrun
+    starts (the same code on every launcher): the step ends when every node said."""
     i, step = inc.event_id, _P.STAGE
     confirmed = inc.result(_P.CONFIRM_CHECKPOINT)
-    want, uri = confirmed.get("step"), confirmed.get("uri")
-    if want is None or uri is None:
+    want = confirmed.get("step")
+    if want is None:
         return [FinishStep(i, step, StepOutcome.SKIPPED, "fresh start: nothing to stage")]
-    if s.abilities.stages_node_disk and not inc.result(_P.SELECT_REPLACEMENT).get("in_place"):
-        return [StageCheckpoint(i, inc.attempt + 1, int(want), str(uri))]
-    return [
-        FinishStep(
-            i, step, StepOutcome.SKIPPED, f"ranks stage {uri} from the checkpoint store at start"
+    if a.number <= inc.attempt:
+        return []  # the relaunch is not gathered yet
+    reports = {r.node_id: r for r in a.staged}
+    bad = next((r for r in reports.values() if not r.ok), None)
+    if bad is not None:
+        reason = (
+            f"node {bad.node_id} could not stage step_{want}: {bad.detail or 'no reason given'}; "
+            "refusing to train on it"
         )
-    ]
+        return [FinishStep(i, step, StepOutcome.FAILED, reason), *_fail(a, reason)]
+    if len(reports) >= a.num_nodes:
+        total = sum(r.bytes for r in reports.values())
+        slowest = max(r.seconds for r in reports.values())
+        return [
+            FinishStep(
+                i, step, StepOutcome.OK,
+                f"step_{want} staged and verified (sha256) by each of {len(reports)} nodes "
+                f"from {confirmed.get('uri')}: {total} bytes copied, slowest node "
+                f"{slowest:.2f} s",
+            )
+        ]
+    # A node lost while staging ends this incident; its failure opens the next one.
+    failures = _actionable(s, cfg)
+    found = None if failures else detect(s, a, cfg)
+    if failures or found is not None:
+        what = primary_cause(failures).failure_class if failures else found.failure_class  # type: ignore[union-attr]
+        detail = f"attempt {a.number} failed while its nodes staged: {what}"
+        return [
+            FinishStep(i, step, StepOutcome.SKIPPED, detail),
+            FinishStep(i, _P.VALIDATE, StepOutcome.FAILED, detail),
+            *([found] if found is not None else []),
+        ]
+    return []
 
 
 def _record_relaunch(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
@@ -913,13 +1000,13 @@ def _record_relaunch(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[
     selected = inc.result(_P.SELECT_REPLACEMENT)
     placement = Placement.from_dict(selected["placement"])
     want, uri = confirmed.get("step"), confirmed.get("uri")
-    staged = inc.outcomes().get(_P.STAGE) is StepOutcome.OK
-    if want is None:
+    stage_from = None
+    if want is None or uri is None:
         resume_step, resume_from = 0, "none"
-    elif staged:
-        resume_step, resume_from = int(want), f"{{node_disk}}/staged/step_{int(want)}"
     else:
-        resume_step, resume_from = int(want), str(uri)
+        # Never a remote URI as a path: the node stages it, the ranks read the copy.
+        resume_step, resume_from = int(want), f"{{node_disk}}/staged/step_{int(want)}"
+        stage_from = str(uri)
     skip = None
     if (
         inc.failure_class in rm.ANOMALIES
@@ -929,6 +1016,7 @@ def _record_relaunch(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[
         skip = (resume_step + 1, inc.onset_step + s.spec.restarts.skip_after_onset)
     times = [r.step_time for n in a.nodes for r in n.ranks if r.step_time is not None]
     return [
+        SetStatus(JobStatus.PROVISIONING, f"launching attempt {inc.attempt + 1}"),
         RecordAttempt(
             inc.attempt + 1,
             inc.event_id,
@@ -941,6 +1029,7 @@ def _record_relaunch(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[
             collective_timeout_s=collective_timeout_s(
                 max(times) if times else None, s.blocking_save_s
             ),
+            stage_from=stage_from,
         )
     ]
 
@@ -958,7 +1047,7 @@ def _launch(
         return done + _fail(a, reason)
 
     if a.launched:
-        return []  # the executor finished LAUNCH when the launcher took it
+        return _provisioning(s, a, i)
     p = a.placement
     last = a.launch_failures[-1] if a.launch_failures else None
     if (
@@ -1009,6 +1098,42 @@ def _launch(
     ]
 
 
+def _provisioning(s: JobSnapshot, a: AttemptView, incident_id: int | None) -> list[Action]:
+    """A launch request is polled, never waited on: up, failed, or still provisioning
+    within the spec's timeout (past it, the placement is given up like a stockout)."""
+    if a.up_at is not None:
+        return []
+    p = a.provision
+    registered = {n.node_rank for n in a.nodes}
+    if (p is not None and p.phase is LaunchPhase.UP) or len(registered) >= a.num_nodes:
+        done: list[Action] = [MarkProvisioned(a.number, p.hosts if p is not None else ())]
+        if incident_id is not None:
+            waited = _age(s.now, a.requested_at)
+            done.append(
+                FinishStep(
+                    incident_id, _P.LAUNCH, StepOutcome.OK,
+                    f"attempt {a.number}: {a.num_nodes} nodes x {a.ranks_per_node} ranks up "
+                    f"in {waited:.1f} s"
+                    + (f" ({a.placement.region})" if a.placement is not None else ""),
+                )
+            )
+        return done
+    if p is not None and p.phase is LaunchPhase.FAILED:
+        return [LaunchRequestFailed(a.number, p.detail or "the provider failed it", p.capacity)]
+    limit = s.spec.restarts.provision_timeout_s
+    waited = _age(s.now, a.requested_at)
+    if waited > limit:
+        return [
+            LaunchRequestFailed(
+                a.number,
+                f"not provisioned after {waited:.0f} s (provision_timeout_s {limit:.0f})"
+                + (f"; last seen: {p.phase} {p.detail}".rstrip() if p is not None else ""),
+                capacity=True,
+            )
+        ]
+    return []
+
+
 def _validate(
     s: JobSnapshot, a: AttemptView, inc: IncidentView, cfg: ReconcileConfig, *, started: bool
 ) -> list[Action]:
@@ -1040,7 +1165,7 @@ def _validate(
     found = detect(s, a, cfg)
     if found is not None:
         return [*out, found]
-    if _age(s.now, a.started_at) > cfg.validate_timeout_s:
+    if _age(s.now, a.up_at or a.started_at) > cfg.validate_timeout_s:
         reason = f"ranks did not all report a resume step in {cfg.validate_timeout_s:.0f} s"
         return [
             *out,

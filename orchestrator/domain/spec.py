@@ -128,6 +128,10 @@ class CheckpointSpec(_Strict):
 class RestartPolicy(_Strict):
     max_restarts: int = Field(default=10, ge=0)
     heartbeat_timeout_s: float = Field(default=30.0, gt=0)
+    provision_timeout_s: float = Field(default=900.0, gt=0, le=86400)
+    """How long a launch may take to provision (a cloud takes minutes) before that
+    placement is given up on like a stockout: cooled down, the job re-planned. The
+    register timeout is separate and starts only once the nodes are up."""
     grace_period_s: float = Field(default=90.0, gt=0, description="time ranks get to save")
     max_same_user_error: int = Field(default=2, ge=1)
     """The same user code error (exception type and message) this many times fails

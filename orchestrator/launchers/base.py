@@ -10,15 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from orchestrator.domain.plan import Placement
 from orchestrator.domain.planner import Candidate
-from orchestrator.domain.reconcile import LauncherAbilities
+from orchestrator.domain.reconcile import LauncherAbilities, LaunchPhase
 from orchestrator.domain.spec import JobSpec, TaskSpec
 
-__all__ = ["Candidate", "LauncherAbilities"]
+__all__ = ["Candidate", "LaunchPhase", "LauncherAbilities"]
 
 
 class ClusterState(StrEnum):
@@ -62,13 +61,6 @@ class LaunchHandle:
     request_id: str = ""
     """The provider's id for the launch request (SkyPilot's request id; the local
     provisioner's own), which :meth:`Launcher.progress` polls."""
-
-
-class LaunchPhase(StrEnum):
-    PROVISIONING = "provisioning"  # asked for; the nodes are not all up yet
-    UP = "up"  # every node is provisioned and its task's run has started
-    FAILED = "failed"  # the request failed inside the provider (``LaunchProgress.detail``)
-    UNKNOWN = "unknown"  # the provider could not be read now: neither up nor failed
 
 
 @dataclass(frozen=True)
@@ -132,10 +124,6 @@ class Launcher(Protocol):
 
     def status(self, handle: LaunchHandle) -> ClusterStatus: ...
     def down(self, handle: LaunchHandle) -> None: ...
-
-    def node_disk(self, job_id: str, attempt: int, index: int) -> Path:
-        """A node's local disk before it starts (``abilities.stages_node_disk``)."""
-        ...
 
 
 @runtime_checkable

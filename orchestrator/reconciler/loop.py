@@ -21,16 +21,13 @@ import os
 import socket
 import statistics
 import threading
-import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator.contract import AttemptState, CommandType, Env, EventKind
 from orchestrator.domain import reconcile as rc
-from orchestrator.domain.protocol import ProtocolStep, StepOutcome
 from orchestrator.domain.status import IllegalTransition, JobStatus
 from orchestrator.launchers.base import CapacityError, Launcher, LaunchError, LaunchRequest
 from orchestrator.store import repo, work
@@ -166,8 +163,12 @@ class Reconciler:
                 self._set_status(s, job_id, st, reason, now)
             case rc.RecordAttempt():
                 work.record_attempt(s, rows.job, rows.spec, action, self.launcher.name, now)
-            case rc.StartNodes(number=n, incident_id=inc):
-                self._start_nodes(s, rows, n, inc, now)
+            case rc.StartNodes(number=n):
+                self._start_nodes(s, rows, n, now)
+            case rc.MarkProvisioned(number=n, hosts=hosts):
+                work.attempt_up(s, rows.job, job_id, n, hosts, now)
+            case rc.LaunchRequestFailed(number=n, detail=detail, capacity=capacity):
+                self._launch_failed(s, rows, n, detail, capacity, now)
             case rc.Replan(number=n, placement=p, reason=reason):
                 work.replan_attempt(s, job_id, n, p, reason, now)
             case rc.RecordFailure():
@@ -181,8 +182,6 @@ class Reconciler:
                 work.finish_step(s, i, step, o, d, now, result=r)
             case rc.SendCommand(attempt=number, type=type_, args=args):
                 work.enqueue_command(s, job_id, number, type_, dict(args), now)
-            case rc.StageCheckpoint():
-                self._stage(s, rows, action, now)
             case rc.Release(attempt=number, reason=reason, keep_nodes=keep):
                 self._release(s, job_id, number, reason, now, keep_nodes=keep)
             case rc.MarkValidated(attempt=number, step=step):
@@ -209,49 +208,28 @@ class Reconciler:
             self.launcher.down(handle)
         work.end_attempt(a, reason, now)
 
-    def _stage(self, s: Session, rows: Rows, action: rc.StageCheckpoint, now: datetime) -> None:
-        """Copy the confirmed checkpoint onto each new node's disk (launchers that
-        declare ``stages_node_disk``), verified file by file; record the outcome."""
-        from orchestrator.cloud.storage import StorageError, stage_checkpoint
-        from orchestrator.contract import ManifestError
-
-        step, inc, want = ProtocolStep.STAGE, action.incident_id, action.step
-        work.start_step(s, rows.job.id, inc, step, now)
-        total, t0 = 0, time.perf_counter()
-        base = action.uri.rsplit("/", 1)[0]
-        for k in range(rows.spec.num_nodes):
-            dest = Path(self.launcher.node_disk(rows.job.id, action.number, k)) / "staged"
-            try:
-                got = stage_checkpoint(base, str(dest), at_most=want)
-            except (StorageError, ManifestError, OSError) as e:
-                work.finish_step(
-                    s, inc, step, StepOutcome.FAILED,
-                    f"checkpoint step_{want} could not be staged: {e}", now,
-                )  # fmt: skip
-                return
-            if got.step != want:
-                why = "; ".join(f"step_{c.step}: {c.reason}" for c in got.skipped if c.step >= want)
-                work.finish_step(
-                    s, inc, step, StepOutcome.FAILED,
-                    f"checkpoint step_{want} failed verification ({why or 'not found'}); "
-                    f"refusing to train on it. The newest verified one is step_{got.step}",
-                    now,
-                )  # fmt: skip
-                return
-            total += got.downloaded_bytes
-        took = time.perf_counter() - t0
-        work.finish_step(
-            s, inc, step, StepOutcome.OK,
-            f"step_{want} staged and verified (sha256) on {rows.spec.num_nodes} node disks: "
-            f"{total} bytes copied in {took:.2f} s",
-            now,
-        )  # fmt: skip
-
-    def _start_nodes(
-        self, s: Session, rows: Rows, number: int, inc: int | None, now: datetime
+    def _launch_failed(
+        self, s: Session, rows: Rows, number: int, detail: str, capacity: bool, now: datetime
     ) -> None:
-        """Ask the launcher for the recorded attempt exactly as it was recorded; a
-        refusal is recorded (``launch_failed``) for ``decide`` to re-plan or stop."""
+        """Record the failed request as a refused launch; give back whatever of it the
+        provider did bring up (a half-provisioned cluster still bills)."""
+        a = attempt_row(s, rows.job.id, number)
+        if a is None:
+            return
+        handle = work.launch_request_failed(
+            s, rows.job.id, number, placement_of(a), detail, capacity=capacity, now=now
+        )
+        if handle is not None:
+            try:
+                self.launcher.down(handle)
+            except LaunchError as e:  # recorded; the launcher's status shows what is left
+                log.warning("job %s: giving back %s failed: %s", rows.job.id, handle, e)
+
+    def _start_nodes(self, s: Session, rows: Rows, number: int, now: datetime) -> None:
+        """Ask the launcher for the recorded attempt exactly as it was recorded. The
+        launcher answers with a request at once (provisioning is polled on later
+        ticks, never waited on here); a refusal is recorded (``launch_failed``) for
+        ``decide`` to re-plan or stop."""
         job, spec = rows.job, rows.spec
         a = attempt_row(s, job.id, number)
         if a is None or a.handle:
@@ -269,6 +247,8 @@ class Reconciler:
         }
         if a.resume_step is not None:
             env[Env.EXPECTED_STEP] = str(a.resume_step)
+        if k.get("stage_from"):
+            env[Env.STAGE_FROM] = str(k["stage_from"])
         if k.get("collective_timeout_s"):
             env[Env.COLLECTIVE_TIMEOUT_S] = str(int(k["collective_timeout_s"]))
         if k.get("skip_steps"):
@@ -304,12 +284,4 @@ class Reconciler:
                 s, job.id, number, placement, str(e), capacity=isinstance(e, CapacityError), now=now
             )
             return
-        work.attempt_started(s, job, a, handle, number)
-        if inc is not None:
-            work.finish_step(
-                s, inc, ProtocolStep.LAUNCH, StepOutcome.OK,
-                f"attempt {number}: {placement.num_nodes} nodes x {spec.ranks_per_node} ranks "
-                f"({'restarted in place' if reuse is not None else placement.region}), "
-                f"resume from {env[Env.RESUME_FROM]} (expected step {a.resume_step})",
-                now,
-            )  # fmt: skip
+        work.attempt_started(s, a, handle, now)

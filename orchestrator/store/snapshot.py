@@ -67,7 +67,25 @@ def handle_of(a: Attempt) -> LaunchHandle | None:
         h["launcher"],
         tuple(h.get("node_ids", ())),
         tuple(h.get("hosts", ())),
+        str(h.get("request_id") or ""),
     )
+
+
+def _when(h: dict[str, Any] | None, key: str) -> datetime | None:
+    raw = (h or {}).get(key)
+    try:
+        return utc(datetime.fromisoformat(raw)) if isinstance(raw, str) else None
+    except ValueError:
+        return None
+
+
+def _progress(launcher: Launcher, handle: LaunchHandle, job_id: str) -> rc.ProvisionView:
+    try:
+        p = launcher.progress(handle)
+    except Exception as e:  # the protocol says never raise; a launcher that does is unread
+        log.exception("job %s: launcher progress failed", job_id)
+        return rc.ProvisionView(rc.LaunchPhase.UNKNOWN, f"{type(e).__name__}: {e}")
+    return rc.ProvisionView(rc.LaunchPhase(p.phase), p.detail, p.capacity, tuple(p.hosts))
 
 
 def placement_of(a: Attempt) -> Placement:
@@ -216,8 +234,12 @@ def _attempt_view(
             )
         )
     }
+    up_at = _when(a.handle, "up_at")
+    provision = None
+    if handle is not None and up_at is None and a.state != AttemptState.ENDED:
+        provision = _progress(launcher, handle, job_id)
     alive_ids: set[str] | None = None
-    if handle is not None and a.state != AttemptState.ENDED:
+    if handle is not None and up_at is not None and a.state != AttemptState.ENDED:
         try:
             st = launcher.status(handle)
             alive_ids = set(st.nodes_up) if st.state != "unknown" else None
@@ -276,7 +298,28 @@ def _attempt_view(
         )
         if (e.details or {}).get("attempt") == a.number
     )
+    staged = tuple(
+        rc.StagedView(
+            node_id=str(d.get("node_id") or e.node_id or ""),
+            ok=bool(d.get("ok")),
+            step=d.get("step") if isinstance(d.get("step"), int) else None,
+            detail=str(d.get("detail") or ""),
+            bytes=int(d.get("bytes") or 0),
+            seconds=float(d.get("seconds") or 0.0),
+        )
+        for e in s.scalars(
+            select(FailureEvent)
+            .where(FailureEvent.job_id == job_id, FailureEvent.kind == EventKind.STAGED)
+            .order_by(FailureEvent.id)
+        )
+        for d in [e.details or {}]
+        if d.get("attempt") == a.number
+    )
     return rc.AttemptView(
+        requested_at=_when(a.handle, "requested_at"),
+        up_at=up_at,
+        provision=provision,
+        staged=staged,
         vanished=vanished,
         number=a.number,
         state=a.state,

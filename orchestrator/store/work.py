@@ -27,7 +27,7 @@ from orchestrator.store import repo
 from orchestrator.store.goodput import rank_values
 from orchestrator.store.models import Attempt, FailureEvent, Job, Lease, Node, NodeCommand
 from orchestrator.store.models import ProtocolStep as StepRow
-from orchestrator.store.snapshot import attempt_row, utc
+from orchestrator.store.snapshot import attempt_row, handle_of, utc
 
 LEASE_NAME = "reconciler"
 
@@ -212,6 +212,7 @@ def record_attempt(
                 "exclude_hosts": list(action.exclude_hosts),
                 "skip_steps": list(action.skip_steps) if action.skip_steps else None,
                 "collective_timeout_s": action.collective_timeout_s,
+                "stage_from": action.stage_from,
                 **(p.knobs.to_dict() if p.knobs else {}),
             },
             resume_step=action.resume_step,
@@ -282,19 +283,58 @@ def record_launch_failure(
     )
 
 
-def attempt_started(s: Session, job: Job, a: Attempt, handle: LaunchHandle, number: int) -> None:
+def attempt_started(
+    s: Session, a: Attempt, handle: LaunchHandle, now: datetime
+) -> None:
+    """The launcher accepted the request: the attempt is provisioning (LAUNCHING)
+    until :func:`attempt_up`."""
     a.handle = {
         "cluster_name": handle.cluster_name,
         "launcher": handle.launcher,
         "node_ids": list(handle.node_ids),
         "hosts": list(handle.hosts),
+        "request_id": handle.request_id,
+        "requested_at": now.isoformat(),
+    }
+    a.cluster_name = handle.cluster_name
+    s.flush()
+
+
+def attempt_up(
+    s: Session, job: Job, job_id: str, number: int, hosts: tuple[str, ...], now: datetime
+) -> None:
+    """Every node of the attempt is up: it runs, and a relaunch counts as a restart."""
+    a = attempt_row(s, job_id, number)
+    if a is None or not a.handle or a.handle.get("up_at"):
+        return
+    a.handle = {
+        **a.handle,
+        "up_at": now.isoformat(),
+        **({"hosts": list(hosts)} if hosts else {}),
     }
     if a.state == AttemptState.LAUNCHING:
         a.state = AttemptState.RUNNING
-    a.cluster_name = handle.cluster_name
     if a.incident_id is not None:
         job.restart_count += 1
     s.flush()
+
+
+def launch_request_failed(
+    s: Session, job_id: str, number: int, p: Placement, detail: str, *, capacity: bool,
+    now: datetime,
+) -> LaunchHandle | None:
+    """An accepted launch request failed (or timed out): recorded like a refused
+    launch, and the attempt is back to not launched; returns the handle to give back."""
+    a = attempt_row(s, job_id, number)
+    if a is None or not a.handle or a.handle.get("up_at"):
+        return None
+    handle = handle_of(a)
+    record_launch_failure(s, job_id, number, p, detail, capacity=capacity, now=now)
+    a.handle = None
+    a.cluster_name = None
+    a.started_at = now  # the backoff before the next try counts from here
+    s.flush()
+    return handle
 
 
 def end_attempt(a: Attempt, reason: str, now: datetime) -> None:

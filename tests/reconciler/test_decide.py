@@ -42,6 +42,9 @@ def node(k: int, *, attempt: int = 1, steps=(50, 50), resumed=(0, 0), hb=1.0, **
 def attempt(
     number=1, *, validated=0, expected=None, nodes=None, started=120.0, state="running", **kw
 ):
+    launched = kw.get("launched", True)
+    kw.setdefault("requested_at", ago(started))
+    kw.setdefault("up_at", ago(started) if launched else None)
     return rc.AttemptView(
         placement=kw.pop("placement", R1),
         **kw,
@@ -83,7 +86,7 @@ def snap(**kw) -> rc.JobSnapshot:
         spec=SPEC,
         attempt=attempt(),
         candidates=CANDIDATES,
-        abilities=rc.LauncherAbilities(stages_node_disk=True, restarts_in_place=True),
+        abilities=rc.LauncherAbilities(restarts_in_place=True),
     )
     return rc.JobSnapshot(**{**base, **kw})
 
@@ -270,26 +273,110 @@ def test_the_restart_limit_is_decided_at_select():
     assert status.status is S.FAILED
 
 
-def test_stage_copies_onto_node_disks_and_launch_records_what_select_chose():
-    steps = {
+def _selected_steps() -> dict:
+    return {
         **done(P.DETECT, P.SIGNAL),
         P.CONFIRM_CHECKPOINT: rc.StepView(
-            ago(4), ago(3), O.OK, result={"step": 40, "uri": "file:///ckpt/step_40"}
+            ago(4), ago(3), O.OK, result={"step": 40, "uri": "s3://b/ckpt/step_40"}
         ),
         P.SELECT_REPLACEMENT: rc.StepView(
             ago(3), ago(2), O.OK, result={"placement": R1.to_dict(), "in_place": False}
         ),
     }
-    out = rc.decide(snap(status=S.RECOVERING, incident=incident(steps)))
-    assert out == [rc.StartStep(99, P.STAGE), rc.StageCheckpoint(99, 2, 40, "file:///ckpt/step_40")]
-    steps[P.STAGE] = rc.StepView(ago(2), ago(1), O.OK)
-    (start, rec) = rc.decide(snap(status=S.RECOVERING, incident=incident(steps)))
-    assert start == rc.StartStep(99, P.LAUNCH)
-    assert rec == rc.RecordAttempt(2, 99, R1, 40, "{node_disk}/staged/step_40")
+
+
+def test_launch_records_what_select_chose_and_the_node_stages_the_remote_checkpoint():
+    (start, status, rec) = rc.decide(
+        snap(status=S.RECOVERING, incident=incident(_selected_steps()))
+    )
+    assert start == rc.StartStep(99, P.LAUNCH) and status.status is S.PROVISIONING
+    assert rec == rc.RecordAttempt(
+        2, 99, R1, 40, "{node_disk}/staged/step_40", stage_from="s3://b/ckpt/step_40"
+    )
+    assert not rec.resume_from.startswith("s3://")  # never a remote URI as a path
+
+
+def _provisioning(progress: rc.ProvisionView | None, *, requested: float, nodes=()):
+    steps = {**_selected_steps(), P.LAUNCH: rc.StepView(ago(requested))}
+    a2 = attempt(
+        2, validated=None, expected=40, nodes=nodes, started=requested, state="launching",
+        requested_at=ago(requested), up_at=None, provision=progress,
+    )  # fmt: skip
+    return snap(status=S.RECOVERING, attempt=a2, incident=incident(steps))
+
+
+def test_a_launch_still_provisioning_is_polled_not_failed_even_past_the_register_timeout():
+    slow = rc.ProvisionView(rc.LaunchPhase.PROVISIONING, "INIT")
+    assert rc.decide(_provisioning(slow, requested=400.0)) == []  # 180 s register timeout
+    unread = rc.ProvisionView(rc.LaunchPhase.UNKNOWN, "API server unreachable")
+    assert rc.decide(_provisioning(unread, requested=400.0)) == []
+
+
+def test_a_launch_that_is_up_finishes_launch_and_starts_the_register_clock():
+    up = rc.ProvisionView(rc.LaunchPhase.UP, hosts=("10.0.0.2", "10.0.0.3"))
+    (mark, fin) = rc.decide(_provisioning(up, requested=300.0))
+    assert mark == rc.MarkProvisioned(2, ("10.0.0.2", "10.0.0.3"))
+    assert fin.step is P.LAUNCH and fin.outcome is O.OK and "up in 300.0 s" in fin.detail
+
+
+def test_a_launch_request_that_failed_in_the_provider_is_recorded_as_a_refused_launch():
+    gone = rc.ProvisionView(rc.LaunchPhase.FAILED, "ResourcesUnavailableError: r1", capacity=True)
+    assert rc.decide(_provisioning(gone, requested=30.0)) == [
+        rc.LaunchRequestFailed(2, "ResourcesUnavailableError: r1", True)
+    ]
+
+
+def test_a_launch_past_the_provisioning_timeout_is_given_up_like_a_stockout():
+    slow = rc.ProvisionView(rc.LaunchPhase.PROVISIONING, "INIT")
+    (failed,) = rc.decide(_provisioning(slow, requested=901.0))
+    assert isinstance(failed, rc.LaunchRequestFailed) and failed.capacity
+    assert "provision_timeout_s 900" in failed.detail
+
+
+def test_a_node_that_is_up_but_never_registers_is_lost_after_the_register_timeout():
+    a = attempt(validated=None, nodes=(node(0),), started=500.0, up_at=ago(181))
+    (lost,) = rc.decide(snap(attempt=a))
+    assert lost.kind == "node_lost" and "after it was up" in lost.message
+    a = attempt(validated=None, nodes=(node(0),), started=500.0, up_at=ago(100))
+    assert rc.decide(snap(attempt=a)) == []
+
+
+def _staging(staged=(), nodes=None, failures=()):
+    steps = {
+        **_selected_steps(),
+        P.LAUNCH: rc.StepView(ago(3), ago(2), O.OK),
+        P.STAGE: rc.StepView(ago(2)),
+    }
+    a2 = attempt(2, validated=None, expected=40, staged=staged, nodes=nodes, started=3.0)
+    return snap(status=S.RECOVERING, attempt=a2, incident=incident(steps), failures=failures)
+
+
+def test_stage_waits_for_every_node_to_report_then_says_what_was_copied():
+    one = rc.StagedView("j-a2-n0", True, 40, bytes=1000, seconds=1.5)
+    assert rc.decide(_staging((one,))) == []
+    two = rc.StagedView("j-a2-n1", True, 40, bytes=2000, seconds=2.5)
+    (fin,) = rc.decide(_staging((one, two)))
+    assert fin.step is P.STAGE and fin.outcome is O.OK
+    assert "3000 bytes" in fin.detail and "2.50 s" in fin.detail
+
+
+def test_a_node_that_cannot_stage_the_checkpoint_fails_the_job_naming_why():
+    bad = rc.StagedView("j-a2-n1", False, 40, detail="shard 1: sha256 mismatch")
+    (fin, status, _release) = rc.decide(_staging((bad,)))
+    assert fin.outcome is O.FAILED and "sha256 mismatch" in fin.detail and "j-a2-n1" in fin.detail
+    assert status.status is S.FAILED
+
+
+def test_a_node_lost_while_staging_ends_the_incident_for_the_next_one():
+    nodes = (node(0, attempt=2), node(1, attempt=2, alive=False))
+    (stage, validate, lost) = rc.decide(_staging(nodes=nodes))
+    assert stage.step is P.STAGE and stage.outcome is O.SKIPPED
+    assert validate.step is P.VALIDATE and validate.outcome is O.FAILED
+    assert lost.kind == "node_lost"
 
 
 def _validating(a2: rc.AttemptView, failures=()) -> rc.JobSnapshot:
-    steps = {**done(*tuple(P)[:6]), P.VALIDATE: rc.StepView(ago(2))}
+    steps = {**done(*tuple(P)[:6]), P.VALIDATE: rc.StepView(ago(2))}  # DETECT..STAGE done
     return snap(status=S.PROVISIONING, attempt=a2, incident=incident(steps), failures=failures)
 
 

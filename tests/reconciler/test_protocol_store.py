@@ -99,6 +99,23 @@ class World:
                 body = {"state": "running", "ranks": ranks}
                 agents.record_heartbeat(s, self.job, attempt, nid, body, now=self.now)
 
+    def staged(self, attempt: int, step: int, *, ok: bool = True, detail: str = "") -> None:
+        """Every node of ``attempt`` reports staging ``step`` (as its agent does before
+        torchrun starts)."""
+        for k in range(2):
+            nid = f"{self.job}-a{attempt}-n{k}"
+            self.report(attempt, k, {
+                "key": f"staged-{step}", "kind": "staged", "node_id": nid, "step": step,
+                "ok": ok, "detail": detail, "bytes": 100 if ok else 0, "seconds": 0.5,
+                "uri": f"file://{self.ckpt}/step_{step}",
+            })  # fmt: skip
+
+    def recovered(self, attempt: int, step: int) -> None:
+        """The relaunched nodes come up, stage ``step`` and resume from it."""
+        self.agents_up(attempt, resumed=step, step=step)
+        self.staged(attempt, step)
+        self.run_until("RUNNING")
+
     def report(self, attempt: int, node: int, body: dict) -> None:
         with self.sm.begin() as s:
             nid = f"{self.job}-a{attempt}-n{node}"
@@ -107,6 +124,14 @@ class World:
     def commands(self) -> list[NodeCommand]:
         with self.sm() as s:
             return list(s.query(NodeCommand).filter_by(job_id=self.job).order_by(NodeCommand.id))
+
+    def run_until_launched(self, attempt: int, limit: int = 30) -> None:
+        """Tick until the launcher was asked for ``attempt``."""
+        for _ in range(limit):
+            self.tick(5.0)
+            if any(r.attempt == attempt for r in self.launcher.launched):
+                return
+        raise AssertionError(f"attempt {attempt} was never launched (job {self.status()})")
 
     def run_until(self, status: str, limit: int = 30) -> None:
         """Tick (5 s apart: long enough for a grace period to run out) until ``status``."""
@@ -131,6 +156,7 @@ def start_running(w: World) -> None:
     w.tick()
     assert w.launcher.launched[0].env[Env.RESUME_FROM] == "latest"
     w.agents_up(1, resumed=0, step=0)
+    w.tick()  # every node registered: the attempt is up
     w.tick()
     assert w.status() == "RUNNING"
 
@@ -151,7 +177,7 @@ def test_a_preemption_runs_all_seven_steps_and_resumes_on_every_rank_at_the_save
     write_checkpoint(w.ckpt, 40)
     for k in range(2):
         w.report(1, k, {"key": "x", "kind": "node_exit", "exit_code": 75, "reason": "saved"})
-    w.run_until("PROVISIONING")
+    w.run_until_launched(2)
     req = w.launcher.launched[1]
     assert req.attempt == 2
     assert req.env[Env.RESUME_FROM] == "{node_disk}/staged/step_40"
@@ -161,12 +187,8 @@ def test_a_preemption_runs_all_seven_steps_and_resumes_on_every_rank_at_the_save
     assert req.placement.region == "r2"  # the region that preempted us (r1) is avoided
     with w.sm() as s:
         assert s.query(Attempt).filter_by(job_id=w.job, number=2).one().region == "r2"
-    for k in range(2):
-        staged = w.launcher.node_disk(w.job, 2, k) / "staged" / "step_40" / COMMIT_NAME
-        assert staged.exists()
-    w.agents_up(2, resumed=40, step=40)
-    w.tick()
-    assert w.status() == "RUNNING"
+    assert req.env[Env.STAGE_FROM] == f"file://{w.ckpt}/step_40"  # the nodes stage it
+    w.recovered(2, 40)
     with w.sm() as s:
         (inc,) = incidents(s, w.job)
     assert inc["failure_class"] == "preemption_notice"
@@ -188,30 +210,29 @@ def test_a_lost_node_stops_the_survivors_and_resumes_from_the_last_periodic_chec
     w.tick()
     assert [c.type for c in w.commands()] == ["stop"]
     w.report(1, 0, {"key": "x", "kind": "node_exit", "exit_code": 1, "reason": "stopped"})
-    w.run_until("PROVISIONING")
+    w.run_until_launched(2)
     assert w.launcher.launched[1].env[Env.EXPECTED_STEP] == "20"
-    w.agents_up(2, resumed=20, step=20)
-    w.tick()
+    w.recovered(2, 20)
     with w.sm() as s:
         (inc,) = incidents(s, w.job)
     assert inc["failure_class"] == "node_lost" and inc["steps_lost"] == 7
 
 
-def test_a_tampered_checkpoint_fails_the_job_with_the_reason_and_launches_nothing(world):
+def test_a_checkpoint_a_node_cannot_stage_fails_the_job_with_the_node_s_reason(world):
     w = world
     start_running(w)
     write_checkpoint(w.ckpt, 10)
-    shard = write_checkpoint(w.ckpt, 20) / "__1_0.distcp"
-    data = bytearray(shard.read_bytes())
-    data[100] ^= 0xFF  # same size, different bytes
-    shard.write_bytes(bytes(data))
+    write_checkpoint(w.ckpt, 20)
     w.launcher.dead.add(f"{w.job}-a1-n0")
+    w.run_until_launched(2)
+    w.agents_up(2, resumed=20, step=20)
+    w.staged(2, 20, ok=False, detail="__1_0.distcp: sha256 mismatch")
     w.run_until("FAILED")
     with w.sm() as s:
         job = repo.get_job(s, w.job)
-    assert "step_20 failed verification" in job.status_reason
-    assert "__1_0.distcp" in job.status_reason
-    assert len(w.launcher.launched) == 1
+    assert "could not stage step_20" in job.status_reason
+    assert "__1_0.distcp: sha256 mismatch" in job.status_reason
+    assert w.launcher.downed[-1] == f"{w.job}-a2"  # nothing trains on it
 
 
 def test_a_service_restart_mid_protocol_carries_on_where_it_was(world):
@@ -223,7 +244,7 @@ def test_a_service_restart_mid_protocol_carries_on_where_it_was(world):
         w.tick()
     w.rec = w.reconciler()  # a new process: nothing in memory
     w.report(1, 0, {"key": "x", "kind": "node_exit", "exit_code": 1, "reason": "stopped"})
-    w.run_until("PROVISIONING")
+    w.run_until_launched(2)
     assert [r.attempt for r in w.launcher.launched] == [1, 2]
     assert [c.type for c in w.commands()] == ["stop"]  # the command was not sent twice
 
@@ -335,7 +356,7 @@ def test_a_replacement_with_less_gpu_memory_gets_replanned_knobs_and_the_same_gl
         assert first[Env.ACTIVATION_CHECKPOINT_EVERY] == "0"
         write_checkpoint(w.ckpt, 10)
         w.launcher.dead.add(f"{w.job}-a1-n1")
-        w.run_until("PROVISIONING")
+        w.run_until_launched(2)
         second = w.launcher.launched[1].env
         assert second[Env.ACTIVATION_CHECKPOINT_EVERY] == "2"  # recompute to fit 40 GiB
         assert second[Env.GLOBAL_BATCH] == first[Env.GLOBAL_BATCH] == "64"
@@ -363,12 +384,11 @@ def test_a_loss_spike_rolls_back_past_newer_checkpoints_and_stages_the_older_one
     assert w.status() == "RECOVERING"
     for k in range(2):
         w.report(1, k, {"key": "x", "kind": "node_exit", "exit_code": 75, "reason": "stopped"})
-    w.run_until("PROVISIONING")
+    w.run_until_launched(2)
     req = w.launcher.launched[-1]
     assert req.env[Env.RESUME_FROM] == "{node_disk}/staged/step_20"
     assert req.env[Env.EXPECTED_STEP] == "20"
-    staged = w.launcher.node_disk(w.job, 2, 0) / "staged"
-    assert [p.name for p in staged.iterdir()] == ["step_20"]
+    assert req.env[Env.STAGE_FROM] == f"file://{w.ckpt}/step_20"
     with w.sm() as s:
         (inc,) = incidents(s, w.job)
     assert inc["failure_class"] == "loss_spike" and inc["remedy"] == "rollback_last_good"
@@ -381,6 +401,7 @@ def test_a_launch_refused_for_capacity_is_replanned_into_the_next_region(world):
     w.tick()  # refused: InsufficientInstanceCapacity
     w.tick(10)  # after the backoff: re-planned into r2
     w.tick()  # started
+    w.tick()  # up
     with w.sm() as s:
         (a,) = s.query(Attempt).filter_by(job_id=w.job).all()
         assert (a.region, a.state) == ("r2", "running")
