@@ -44,6 +44,10 @@ class Env:
     #: Expected resume step, set by the reconciler after staging; ranks refuse to
     #: train when what they loaded differs.
     EXPECTED_STEP = "SKYRESUME_RUN_EXPECTED_STEP"
+    #: URI (s3://, gs://, file://) of the one confirmed ``step_<N>`` directory the agent
+    #: stages onto ``<node disk>/staged/`` before torchrun starts; ranks never see it.
+    #: RESUME_FROM then names the staged copy and EXPECTED_STEP its step.
+    STAGE_FROM = "SKYRESUME_RUN_STAGE_FROM"
     CHECKPOINT_EVERY = "SKYRESUME_RUN_CHECKPOINT_EVERY"
     #: ``FIRST-LAST``: after a rollback past an anomaly (``on_anomaly: rollback_skip``),
     #: the batches of these steps are skipped (the data position moves past them when
@@ -112,6 +116,7 @@ class ReportKind(StrEnum):
     NODE_EXIT = "node_exit"  # torchrun ended; the node's outcome
     EVIDENCE = "evidence"  # stacks (and collective traces) taken before a kill
     HEALTH_CHECK = "health_check"  # the node's checks before torchrun started
+    STAGED = "staged"  # the agent staged (or failed to stage) STAGE_FROM before torchrun
 
 
 class EventKind(StrEnum):
@@ -124,6 +129,7 @@ class EventKind(StrEnum):
     NODE_EXIT = "node_exit"
     EVIDENCE = "evidence"
     HEALTH_CHECK = "health_check"
+    STAGED = "staged"
     NODE_LOST = "node_lost"  # the reconciler: a node vanished, went silent, never came up
     RANK_HANG = "rank_hang"  # the reconciler: ranks made no progress for the timeout
     STUCK = "stuck"  # the reconciler: an attempt never validated

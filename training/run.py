@@ -87,6 +87,9 @@ from training.resume import (
 from training.rng import capture_rng_state, reseed_all, restore_rng_state, rng_key
 from training.signals import StopRequest
 
+#: Checkpoint URI schemes a rank never reads as a path (the agent stages them first).
+REMOTE_SCHEMES = frozenset({"s3", "gs"})
+
 
 class RunExit(SystemExit):
     """A deliberate exit with one of the contract's codes (every rank agrees)."""
@@ -136,7 +139,8 @@ class RunConfig:
     """Local tier for s3:// and gs:// URIs (saves land here, then upload). A file://
     URI is written directly (it is already a filesystem)."""
     resume_from: str = "latest"
-    """``latest`` | ``none`` | a local path or file:// URI of one ``step_<N>`` directory."""
+    """``latest`` | ``none`` | a local path or file:// URI of one ``step_<N>`` directory
+    (an s3:// or gs:// one is refused at restore, exit 78: the agent stages those)."""
     expected_step: int | None = None
     """Set by the reconciler after staging: ranks refuse to train on any other step."""
     skip_steps: tuple[int, int] | None = None
@@ -445,6 +449,17 @@ class Run:
         if self._restored:
             return self.step
         explicit = self.config.resume_from not in ("latest", "none")
+        remote = urlparse(self.config.resume_from).scheme if explicit else ""
+        if remote in REMOTE_SCHEMES:
+            # Never a path: Path("s3://b/p/step_40") is a local directory that does not
+            # exist, and the rank would report a missing COMMIT instead of the real fault.
+            self._exit(
+                ExitCode.CHECKPOINT_INVALID,
+                f"{Env.RESUME_FROM}={self.config.resume_from} is a remote URI; ranks load "
+                f"only local step directories: the node agent stages checkpoints onto the "
+                f"node's disk before the ranks start ({Env.STAGE_FROM}) and names the staged "
+                f"copy in {Env.RESUME_FROM}",
+            )
         chosen: tuple[int, str] | None = None
         paths: dict[tuple[int, str], Path] = {}
         world_at_save = self.world_size

@@ -44,6 +44,7 @@ from typing import Any
 from orchestrator.agent import evidence as ev
 from orchestrator.agent import health as hc
 from orchestrator.agent import ranks as rk
+from orchestrator.agent import stage as st
 from orchestrator.agent.client import (
     Answer,
     ServiceClient,
@@ -75,6 +76,8 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 #: A pre-flight health check failed: torchrun was never started (sysexits EX_UNAVAILABLE).
 EXIT_HEALTH_CHECK_FAILED = 69
+#: The checkpoint to resume could not be staged onto the node: torchrun was never started.
+EXIT_STAGE_FAILED = int(ExitCode.CHECKPOINT_INVALID)
 
 
 class UsageError(ValueError):
@@ -408,6 +411,7 @@ class Agent:
         self.notice_at: float | None = None
         self.service_date: hc.ServiceDate | None = None
         self._fr_seen: set[str] = set()
+        self.staged: st.StageOutcome | None = None
 
     # --- stopping: the one place that signals ranks --------------------------------
 
@@ -900,9 +904,45 @@ class Agent:
         env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(max(1, math.ceil(self.cfg.grace_s)))
         return env
 
+    def stage_checkpoint(self) -> bool:
+        """Stage ``Env.STAGE_FROM`` onto the node's disk before torchrun (stage.py) and
+        report it; False: it failed, a ``node_exit`` is reported and torchrun must not
+        start. True when staged, or when nothing was asked for."""
+        if not self.environ.get(Env.STAGE_FROM):
+            return True
+        env = st.node_disk_values(self.rank_env(), self.cfg.local_dir)
+        log.info("staging %s", st.safe_uri(env[Env.STAGE_FROM]))
+        out = st.stage_for_ranks(env, self.cfg.local_dir)
+        assert out is not None
+        self.staged = out
+        self.report(
+            ReportKind.STAGED,
+            f"staged:{out.step}:{'ok' if out.ok else 'failed'}",
+            **out.report_fields(self.cfg.node_id),
+        )
+        if out.ok:
+            log.info(
+                "staged in %.2f s, %d bytes downloaded: %s", out.seconds, out.bytes, out.detail
+            )
+            return True
+        log.error("staging failed, torchrun not started: %s", out.detail)
+        self.state = "exited"
+        self.report(
+            ReportKind.NODE_EXIT,
+            "node_exit",
+            exit_code=EXIT_STAGE_FAILED,
+            reason=f"staging failed: {out.detail}"[:1024],
+        )
+        return False
+
     def start_ranks(self) -> None:
         c = self.cfg
-        env = self.rank_env()
+        # A run-context value may name {node_disk}: this node's local disk.
+        env = st.node_disk_values(self.rank_env(), c.local_dir)
+        if self.staged is not None and self.staged.ok:
+            # The ranks load what was staged and verified here, and nothing else.
+            env.setdefault(Env.RESUME_FROM, self.staged.path)
+            env.setdefault(Env.EXPECTED_STEP, str(self.staged.step))
         if c.launcher == "direct":
             self.ranks = rk.start_direct(
                 list(c.command),
@@ -1074,6 +1114,9 @@ class Agent:
         if self.cfg.health_checks and not self.check_health():
             self._finish()
             return EXIT_HEALTH_CHECK_FAILED
+        if not self.stage_checkpoint():
+            self._finish()
+            return EXIT_STAGE_FAILED
         try:
             self.start_ranks()
         except OSError as e:

@@ -283,6 +283,21 @@ class HealthCheckReport(_Report):
     checks: list[HealthCheckResult] = Field(min_length=1, max_length=64)
 
 
+class StagedReport(_Report):
+    """The agent staged ``SKYRESUME_RUN_STAGE_FROM`` onto its disk before torchrun (or
+    could not: then torchrun never started and the node exits 78)."""
+
+    kind: Literal["staged"]
+    node_id: str = Field(min_length=1, max_length=64)
+    step: int | None = Field(ge=0)
+    ok: bool
+    detail: str = Field(max_length=1024)
+    bytes: int = Field(ge=0)
+    """Bytes downloaded (0: every file was already on the node's disk, verified)."""
+    seconds: _Float = Field(ge=0)
+    uri: str = Field(max_length=4096)
+
+
 Report = Annotated[
     PreemptionNoticeReport
     | RankExitReport
@@ -290,7 +305,8 @@ Report = Annotated[
     | CheckpointReport
     | NodeExitReport
     | EvidenceReport
-    | HealthCheckReport,
+    | HealthCheckReport
+    | StagedReport,
     Field(discriminator="kind"),
 ]
 

@@ -13,7 +13,8 @@ reconciler.
 
 Every report becomes one ``failure_events`` row (kind = the report kind), idempotent
 on ``a<attempt>:<node_id>:<key>``; a ``checkpoint`` report also upserts a
-``checkpoints`` row with status ``complete``.
+``checkpoints`` row with status ``complete``. A ``staged`` event's details are exactly
+``STAGED_DETAILS`` (node_id, attempt, step, ok, detail, bytes, seconds, uri).
 """
 
 from __future__ import annotations
@@ -318,6 +319,8 @@ def _event_fields(kind: str, report: dict[str, Any]) -> dict[str, Any]:
         return _evidence_fields(report)
     if kind == ReportKind.HEALTH_CHECK:
         return _health_check_fields(report)
+    if kind == ReportKind.STAGED:
+        return _staged_fields(report)
     raise ValueError(f"report kind must be one of {sorted(REPORT_KINDS)}, got {kind!r}")
 
 
@@ -372,6 +375,30 @@ def _health_check_fields(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+#: The details of a ``staged`` event, exactly (the reconciler's STAGE step reads them).
+STAGED_DETAILS = frozenset(
+    {"node_id", "attempt", "step", "ok", "detail", "bytes", "seconds", "uri"}
+)
+
+
+def _staged_fields(report: dict[str, Any]) -> dict[str, Any]:
+    """The agent staged the resume step onto its disk before torchrun, or could not:
+    class ``checkpoint_io`` on a failure (the node exits 78 and never trained)."""
+    got = set(report) - {"key", "kind"}
+    if got != STAGED_DETAILS - {"attempt"}:
+        want = sorted(STAGED_DETAILS - {"attempt"})
+        raise ValueError(f"staged: fields must be exactly {want}, got {sorted(got)}")
+    if not isinstance(report["ok"], bool):
+        raise ValueError(f"staged: ok must be true or false, got {report['ok']!r}")
+    where = f"step {report['step']} from {report['uri']}"
+    if report["ok"]:
+        return {"message": f"staged {where} ({report['bytes']} bytes in {report['seconds']} s)"}
+    return {
+        "failure_class": FailureClass.CHECKPOINT_IO.value,
+        "message": f"staging {where} failed: {report['detail']}"[:2000],
+    }
+
+
 def record_report(
     session: Session,
     job_id: str,
@@ -393,6 +420,8 @@ def record_report(
     key, kind = report.get("key"), report.get("kind")
     if not isinstance(key, str) or not key:
         raise ValueError("report key must be a non-empty string")
+    if kind == ReportKind.STAGED and report.get("node_id") != node_id:
+        raise ValueError(f"staged: node_id {report.get('node_id')!r} is not the reporting node")
     fields = _event_fields(str(kind), report)
     classification = fields.pop("classification", None)
     signature = fields.pop("signature", None)
