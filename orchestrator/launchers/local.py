@@ -1,18 +1,28 @@
-"""The local launcher: every node is its own process session on this machine.
+"""The local launcher: a provisioner for this machine that runs the same SkyPilot
+task a cloud would.
 
-A node is ``skyresume-agent`` started in a session of its own, with an environment
-marker (``SKYRESUME_LOCAL_NODE``) that its torchrun and every rank inherit, so the
-node can be found and killed as a whole, the way a cloud takes a VM back. Neither a
-pid, a process group, a session nor the process tree would do: torchrun starts each
-worker in a session of its own, and workers outlive a SIGKILLed torchrun (DESIGN.md).
+A launch renders the job's task exactly as the SkyPilot launcher does (the template
+or the user's own task YAML: ``setup``, ``run``, ``envs``, ``secrets``), then a boot
+process (:mod:`orchestrator.launchers.localboot`) plays the cloud: it waits the
+provisioning delay, refuses when the region is stocked out, runs ``setup`` and then
+``run`` on every node with the ``SKYPILOT_*`` values SkyPilot sets. The service is
+never blocked: ``launch`` returns a request that ``progress`` polls.
 
-Each node has its own directory ``<root>/<job>/<node>/`` with ``disk/`` (its local
-disk: the checkpoint tier and anything staged for it) and ``logs/``, and its own
-metadata endpoint on one shared :class:`MetadataSimulator` (``/nodes/<node>``),
-which the chaos commands flip.
+Each node is a host of its own where the kernel allows (we are root here and in
+CI): a network namespace on a bridge (:mod:`orchestrator.launchers.netns`) with its
+own IP, its provider's metadata endpoint at the real link-local address, and its
+own home directory as its disk. Its setup installs the agent from the service's own
+wheel, as on a cloud. Where namespaces are unavailable the launcher says so and
+falls back to shared loopback (``network="loopback"``), with the metadata URL given
+to the agent instead.
 
-The launcher keeps nothing in memory that it cannot rebuild: pids are in files, so
-a restarted service can still see, stop or kill the nodes of a running attempt.
+Every process of a node carries an environment marker (``SKYRESUME_LOCAL_NODE``)
+that its agent, torchrun and every rank inherit, so the node can be found and
+killed as a whole, the way a cloud takes a VM back: torchrun starts each worker in
+a session of its own, and workers outlive a SIGKILLed torchrun (DESIGN.md).
+
+The launcher keeps nothing in memory that it cannot rebuild: requests, pids and
+states are files, so a restarted service still sees, stops or kills its nodes.
 """
 
 from __future__ import annotations
@@ -20,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shlex
 import signal
 import socket
 import subprocess
@@ -29,6 +38,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from orchestrator.cloud.simulator import MetadataSimulator
 from orchestrator.domain.planner import Candidate
@@ -40,7 +50,25 @@ from orchestrator.launchers.base import (
     ClusterStatus,
     LaunchError,
     LaunchHandle,
+    LaunchPhase,
+    LaunchProgress,
     LaunchRequest,
+)
+from orchestrator.launchers.localboot import NODE_MARKER, read_json
+
+#: Where a node's PATH starts: the image's Python first (the training dependencies
+#: are "baked into the image": here, the interpreter the service runs on).
+_SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+#: What a node's checkpoint store client reads (endpoint and static keys), passed to
+#: nodes as task secrets; a cloud node would have an instance role instead.
+STORAGE_ENV = (
+    "SKYRESUME_S3_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_DEFAULT_REGION",
+    "STORAGE_EMULATOR_HOST",
 )
 
 PROVIDERS = ("aws", "gcp", "azure")
@@ -54,13 +82,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-#: Every process of a local node carries this variable (the agent, torchrun, each
-#: rank inherit it). torchrun puts each worker in a session of its own and orphans
-#: outlive a killed parent, so neither the session nor the process tree finds them
-#: all; the marker does, like a cgroup would on a real machine.
-NODE_MARKER = "SKYRESUME_LOCAL_NODE"
 
 
 def _marker(job_id: str, node_id: str) -> bytes:
@@ -106,10 +127,11 @@ def _signal_all(pids: list[int], sig: int) -> None:
 
 
 class LocalLauncher:
-    """Nodes as process sessions. ``token_for(job_id)`` gives the agent's job token."""
+    """This machine as a cloud (see the module docstring). ``token_for(job_id)`` gives
+    the agent's job token, which reaches the node as a task secret."""
 
     name = "local"
-    abilities = LauncherAbilities(stages_node_disk=True, restarts_in_place=True, chaos=True)
+    abilities = LauncherAbilities(restarts_in_place=True, chaos=True)
 
     def __init__(
         self,
@@ -125,6 +147,12 @@ class LocalLauncher:
         replacement_gpu_memory_gib: float | None = None,
         regions: tuple[str, ...] = ("local",),
         hosts_per_region: int = 8,
+        network: str = "loopback",
+        provision_delay_s: float = 0.0,
+        package: str = "",
+        pip_args: str = "--no-index --no-deps",
+        storage_env: dict[str, str] | None = None,
+        template: str = "gpt-cpu",
     ) -> None:
         if provider not in PROVIDERS:
             raise ValueError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
@@ -141,6 +169,17 @@ class LocalLauncher:
             raise ValueError("the local launcher needs at least one region and one host in each")
         self.regions = tuple(regions)
         self.hosts_per_region = hosts_per_region
+        if network not in ("netns", "loopback"):
+            raise ValueError(f"network must be netns or loopback, got {network!r}")
+        self.network = network
+        self.provision_delay_s = provision_delay_s
+        self.package = package
+        """What each node's setup installs the agent from (the service's wheel URL);
+        empty: the agent on the image's PATH is used as it is (no setup install)."""
+        self.pip_args = pip_args
+        self.storage_env = dict(storage_env or {})
+        self.template = template
+        self._fabric: Any = None
         self._sim: MetadataSimulator | None = None
         self._lock = threading.Lock()
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -148,10 +187,25 @@ class LocalLauncher:
     # --- metadata -------------------------------------------------------------------
 
     @property
+    def fabric(self) -> Any:
+        """The namespaces-on-a-bridge network (``network="netns"``), made on first use."""
+        if self.network != "netns":
+            return None
+        with self._lock:
+            if self._fabric is None:
+                from orchestrator.launchers.netns import Fabric
+
+                self._fabric = Fabric(self.root / "fabric")
+                self._fabric.up()
+            return self._fabric
+
+    @property
     def metadata(self) -> MetadataSimulator:
+        fabric = self.fabric  # nodes in namespaces reach the simulator on the gateway
         with self._lock:
             if self._sim is None:
-                self._sim = MetadataSimulator().start()
+                host = fabric.gateway if fabric is not None else "127.0.0.1"
+                self._sim = MetadataSimulator(host=host).start()
             return self._sim
 
     def close(self) -> None:
@@ -166,12 +220,10 @@ class LocalLauncher:
     def node_dir(self, job_id: str, node_id: str) -> Path:
         return self.root / job_id / node_id
 
-    def node_disk(self, job_id: str, attempt: int, index: int) -> Path:
-        """The local disk of a node, which exists before the node starts so that the
-        restart protocol can stage a checkpoint onto it."""
-        d = self.node_dir(job_id, node_id_for(job_id, attempt, index)) / "disk"
-        d.mkdir(parents=True, exist_ok=True)
-        return d
+    def node_home(self, job_id: str, node_id: str) -> Path:
+        """The node's home directory: its disk (the template keeps the checkpoint tier
+        and what it stages under ``$HOME/skyresume/node``)."""
+        return self.node_dir(job_id, node_id) / "home"
 
     def _pid(self, job_id: str, node_id: str) -> int | None:
         try:
@@ -250,13 +302,64 @@ class LocalLauncher:
         return tuple(free[:count])
 
     def restart(self, previous: LaunchHandle, request: LaunchRequest) -> LaunchHandle:
-        """A new attempt on the previous attempt's hosts: nothing is provisioned."""
-        return self._start(request, previous.hosts or None)
+        """A new attempt on the previous attempt's hosts, like ``sky exec``: nothing is
+        provisioned and setup does not run again; only ``run`` starts."""
+        return self._start(request, previous)
 
     def launch(self, request: LaunchRequest) -> LaunchHandle:
         return self._start(request, None)
 
-    def _start(self, request: LaunchRequest, hosts: tuple[str, ...] | None) -> LaunchHandle:
+    def render(self, request: LaunchRequest) -> Any:
+        """The job's SkyPilot task, rendered exactly as the SkyPilot launcher renders it
+        (one code path: ``skypilot.SkyPilotLauncher.build``)."""
+        from orchestrator.launchers.skypilot import SkyPilotLauncher
+
+        builder = SkyPilotLauncher(
+            token_for=self.token_for, template=self.template, package=self.package
+        )
+        return builder.build(request, request.task, pin=False)
+
+    def _node_env(
+        self, task: Any, request: LaunchRequest, k: int, node_id: str, ips: list[str],
+        host: Any, master_port: int, cluster: str,
+    ) -> dict[str, str]:  # fmt: skip
+        """A node's whole environment: a clean image's, the task's envs and secrets,
+        and what SkyPilot sets; never the service's own environment (its tokens)."""
+        home = self.node_home(request.job_id, node_id)
+        env: dict[str, str] = {
+            "PATH": f"{Path(self.python).parent}:{_SYSTEM_PATH}",
+            "HOME": str(home),
+            "LANG": os.environ.get("LANG", "C.UTF-8"),
+            "OMP_NUM_THREADS": "1",
+        }
+        env.update({str(k_): str(v) for k_, v in task.envs.items()})
+        for k_, v in task.secrets.items():
+            env[str(k_)] = v.get_secret_value() if hasattr(v, "get_secret_value") else str(v)
+        env.update(self.storage_env)
+        env.update(
+            {
+                "SKYPILOT_NODE_RANK": str(k),
+                "SKYPILOT_NODE_IPS": "\n".join(ips),
+                "SKYPILOT_NUM_NODES": str(len(ips)),
+                "SKYPILOT_NUM_GPUS_PER_NODE": str(request.placement.accelerator_count or 0),
+                "SKYPILOT_TASK_ID": f"sky-{time.strftime('%Y-%m-%d-%H-%M-%S')}_{cluster}_1",
+                # This machine plays the provider: its metadata format, on the node.
+                "SKYRESUME_PROVIDER": self.provider,
+                "SKYRESUME_METADATA_URL": ""
+                if host is not None
+                else self.metadata.node_url(node_id),
+                "SKYRESUME_MASTER_PORT": str(master_port),
+                "SKYRESUME_HEARTBEAT_S": f"{self.heartbeat_s:g}",
+                "SKYRESUME_POLL_S": f"{self.poll_s:g}",
+                "SKYRESUME_PIP_ARGS": self.pip_args,
+                NODE_MARKER: f"{request.job_id}/{node_id}",
+            }
+        )
+        if host is not None:
+            env["GLOO_SOCKET_IFNAME"] = host.ifname  # the image's network setting
+        return env
+
+    def _start(self, request: LaunchRequest, previous: LaunchHandle | None) -> LaunchHandle:
         job, attempt = request.job_id, request.attempt
         nodes = request.placement.num_nodes
         cluster = f"{job}-a{attempt}"
@@ -266,76 +369,102 @@ class LocalLauncher:
             # Idempotent: a service that restarted mid-launch must not start twins.
             doc = json.loads(meta.read_text())
             return LaunchHandle(
-                cluster, self.name, tuple(doc["node_ids"]), tuple(doc.get("hosts", ()))
-            )
+                cluster, self.name, tuple(doc["node_ids"]), tuple(doc.get("hosts", ())),
+                str(doc.get("request_id") or ""),
+            )  # fmt: skip
         if not request.command.strip():
             raise LaunchError("the job has no command to run")
         region = request.placement.region
-        if hosts is None:
+        if previous is not None and previous.hosts:
+            hosts = tuple(previous.hosts)
+        else:
             if region not in self.regions:
                 raise LaunchError(f"no local region {region!r} ({', '.join(self.regions)})")
-            if region in self.stocked_out():
-                raise CapacityError(
-                    f"InsufficientInstanceCapacity: local region {region} has no capacity "
-                    f"for {request.placement.instance_type} (skyresume chaos stockout)"
-                )
             hosts = self._hosts_for(region, nodes, request.exclude_hosts)
-        master_port = free_port()
-        user_cmd = shlex.split(request.command)
-        token = self.token_for(job)
+        task = self.render(request)
+        fabric = self.fabric
+        net = [fabric.add_host(h) for h in hosts] if fabric is not None else [None] * nodes
+        ips = [h.ip if h is not None else "127.0.0.1" for h in net]
+        master_port = free_port() if fabric is None else 29500
+        specs = []
         for k, node_id in enumerate(node_ids):
             d = self.node_dir(job, node_id)
             (d / "logs").mkdir(parents=True, exist_ok=True)
-            disk = self.node_disk(job, attempt, k)
             self.metadata.node(node_id)  # the endpoint answers from boot
-            argv = [
-                self.python,
-                "-m",
-                "orchestrator.agent",
-                "--service-url", self.service_url,
-                "--job-id", job,
-                "--attempt", str(attempt),
-                "--node-id", node_id,
-                "--node-rank", str(k),
-                "--nnodes", str(nodes),
-                "--nproc-per-node", str(request.ranks_per_node),
-                "--master-addr", "127.0.0.1",
-                "--master-port", str(master_port),
-                "--provider", self.provider,
-                "--metadata-url", self.metadata.node_url(node_id),
-                "--local-dir", str(disk),
-                "--log-dir", str(d / "logs"),
-                "--grace-s", str(request.grace_s),
-                "--heartbeat-s", str(self.heartbeat_s),
-                "--poll-s", str(self.poll_s),
-                "--",
-                *user_cmd,
-            ]  # fmt: skip
-            env = {
-                **os.environ,
-                **{k: v.replace("{node_disk}", str(disk)) for k, v in request.env.items()},
-                "SKYRESUME_AGENT_TOKEN": token,
-                NODE_MARKER: f"{job}/{node_id}",
-                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-            }
-            log = open(d / "logs" / "agent.log", "ab")  # noqa: SIM115 - handed to the child
-            try:
-                proc = subprocess.Popen(
-                    argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-                )
-            except OSError as e:
-                raise LaunchError(f"could not start the agent for {node_id}: {e}") from None
-            finally:
-                log.close()
-            (d / "agent.pid").write_text(str(proc.pid))
-            with self._lock:
-                self._procs[node_id] = proc
+            if net[k] is not None:
+                fabric.start_metadata(net[k], self.metadata.node_url(node_id), self.python)
+            env = self._node_env(task, request, k, node_id, ips, net[k], master_port, cluster)
+            prefix = fabric.exec_prefix(net[k]) if net[k] is not None else []
+            specs.append(
+                {"node_id": node_id, "env": env, "exec_prefix": prefix, "log_dir": str(d / "logs")}
+            )
+        setup = task.setup if previous is None and self.package else None
+        state_file = self.root / job / f"{cluster}.state.json"
+        spec_file = self.root / job / f"{cluster}.launch.json"
+        spec_doc = {
+            "nodes": specs,
+            "setup": setup,
+            "run": task.run,
+            "hosts": list(hosts),
+            "region": region,
+            "instance_type": request.placement.instance_type,
+            "delay_s": self.provision_delay_s if previous is None else 0.0,
+            "check_capacity": previous is None,
+            "stockout_file": str(self._stockout_file()),
+            "state_file": str(state_file),
+        }
+        # The request holds the task's secrets (the agent's token): owner-only.
+        fd = os.open(spec_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(spec_doc, f)
+        log = open(self.root / job / f"{cluster}.boot.log", "ab")  # noqa: SIM115 - the child's
+        try:
+            boot = subprocess.Popen(
+                [self.python, "-m", "orchestrator.launchers.localboot", str(spec_file)],
+                env={"PATH": os.environ.get("PATH", _SYSTEM_PATH), "HOME": str(self.root)},
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # fmt: skip
+        except OSError as e:
+            raise LaunchError(f"could not start the provisioner for {cluster}: {e}") from None
+        finally:
+            log.close()
+        with self._lock:
+            self._procs[cluster] = boot
+        request_id = f"local-{cluster}-{boot.pid}"
         meta.write_text(
             json.dumps(
-                {"node_ids": list(node_ids), "master_port": master_port, "hosts": list(hosts)}
+                {
+                    "node_ids": list(node_ids),
+                    "master_port": master_port,
+                    "hosts": list(hosts),
+                    "request_id": request_id,
+                    "boot_pid": boot.pid,
+                }
             )
         )
-        return LaunchHandle(cluster, self.name, node_ids, hosts)
+        return LaunchHandle(cluster, self.name, node_ids, hosts, request_id)
+
+    def progress(self, handle: LaunchHandle) -> LaunchProgress:
+        """The boot process's state file; a boot that died without one failed."""
+        job = handle.cluster_name.rsplit("-a", 1)[0]
+        self._reap()
+        state = read_json(self.root / job / f"{handle.cluster_name}.state.json")
+        phase = state.get("phase")
+        if phase == "up":
+            return LaunchProgress(LaunchPhase.UP, hosts=tuple(state.get("hosts") or ()))
+        if phase == "failed":
+            return LaunchProgress(
+                LaunchPhase.FAILED, str(state.get("detail") or ""), bool(state.get("capacity"))
+            )
+        meta = read_json(self.root / job / f"{handle.cluster_name}.json")
+        pid = meta.get("boot_pid")
+        if isinstance(pid, int) and _alive(pid):
+            return LaunchProgress(LaunchPhase.PROVISIONING, "booting")
+        log = self.root / job / f"{handle.cluster_name}.boot.log"
+        return LaunchProgress(
+            LaunchPhase.FAILED, f"the provisioner of {handle.cluster_name} died; see {log}"
+        )
 
     def _reap(self) -> None:
         with self._lock:
@@ -373,7 +502,16 @@ class LocalLauncher:
             self._reap()
             time.sleep(0.1)
         _signal_all(pids(), signal.SIGKILL)
+        meta = read_json(self.root / job / f"{handle.cluster_name}.json")
+        boot = meta.get("boot_pid")
+        if isinstance(boot, int) and _alive(boot):
+            _signal_all([boot], signal.SIGKILL)  # a launch given up while provisioning
         self._reap()
+        fabric = self.fabric
+        if fabric is not None:
+            for h in handle.hosts:  # the VM is gone: its address and link with it
+                with contextlib.suppress(Exception):
+                    fabric.remove_host(h)
 
     # --- chaos (local only) ------------------------------------------------------------
 

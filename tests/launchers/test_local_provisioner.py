@@ -1,0 +1,141 @@
+"""The local provisioner runs the same rendered SkyPilot task a cloud would, on nodes
+that are hosts of their own, and its launches take time and fail like a cloud's.
+
+Real processes throughout: the boot process, the task's run (the real agent from
+the gpt-cpu template), network namespaces where we are root."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.contract import Env
+from orchestrator.domain.plan import Placement
+from orchestrator.domain.spec import TaskSpec
+from orchestrator.launchers.base import LaunchPhase, LaunchRequest
+from orchestrator.launchers.local import LocalLauncher, node_pids
+from orchestrator.launchers.netns import Fabric
+
+
+def _request(job: str, *, nodes: int = 2, region: str = "local") -> LaunchRequest:
+    return LaunchRequest(
+        job_id=job,
+        attempt=1,
+        placement=Placement("local", region, "cpu-process", None, 0, nodes, True),
+        command="python -m training.examples.train_gpt --max-steps 1 --note '$(touch /tmp/x)'",
+        env={Env.SERVICE_URL: "http://10.255.255.1:9", Env.JOB_ID: job, Env.ATTEMPT: "1"},
+        ranks_per_node=1,
+        grace_s=5,
+        task=TaskSpec(template="gpt-cpu", command="python -m training.examples.train_gpt"),
+    )
+
+
+def _wait(launcher: LocalLauncher, handle, phase: LaunchPhase, timeout: float = 60.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        p = launcher.progress(handle)
+        if p.phase is phase:
+            return p
+        if p.phase is LaunchPhase.FAILED:
+            raise AssertionError(f"launch failed: {p.detail}")
+        time.sleep(0.2)
+    raise AssertionError(f"still {launcher.progress(handle)} after {timeout} s")
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(x.decode().split("=", 1) for x in raw if b"=" in x)
+
+
+@pytest.fixture
+def loopback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("SKYRESUME_TOKEN", "the-operator-token")  # must never reach a node
+    launcher = LocalLauncher(
+        tmp_path / "nodes", "http://10.255.255.1:9", lambda job: f"agent-token-{job}",
+        provision_delay_s=1.0,
+    )  # fmt: skip
+    yield launcher
+    launcher.close()
+
+
+def test_a_launch_is_a_request_that_provisions_then_runs_the_rendered_task(loopback):
+    launcher = loopback
+    handle = launcher.launch(_request("j1"))
+    assert launcher.progress(handle).phase is LaunchPhase.PROVISIONING  # not waited on
+    _wait(launcher, handle, LaunchPhase.UP)
+    try:
+        pids = {
+            n: int((launcher.node_dir("j1", n) / "agent.pid").read_text()) for n in handle.node_ids
+        }
+        for k, (node, pid) in enumerate(pids.items()):
+            env = _environ(pid)
+            assert env["SKYPILOT_NODE_RANK"] == str(k)
+            assert env["SKYPILOT_NUM_NODES"] == "2"
+            assert env["SKYPILOT_NODE_IPS"].splitlines() == ["127.0.0.1", "127.0.0.1"]
+            assert env["SKYPILOT_TASK_ID"].endswith("_j1-a1_1")
+            assert env["SKYRESUME_AGENT_TOKEN"] == "agent-token-j1"  # a task secret
+            assert "SKYRESUME_TOKEN" not in env  # nothing of the service's environment
+            assert env[Env.SERVICE_URL] == "http://10.255.255.1:9"
+            assert node_pids("j1", node)  # the run carries the node's marker
+    finally:
+        launcher.down(handle)
+    assert not any(node_pids("j1", n) for n in handle.node_ids)
+
+
+def test_a_region_stocked_out_while_provisioning_fails_the_accepted_request_for_capacity(
+    loopback,
+):
+    launcher = loopback
+    handle = launcher.launch(_request("j2"))
+    launcher.stockout("local", seconds=60)
+    p = _wait_failed(launcher, handle)
+    assert p.capacity and "InsufficientInstanceCapacity" in p.detail
+    assert not any(node_pids("j2", n) for n in handle.node_ids)
+
+
+def _wait_failed(launcher: LocalLauncher, handle, timeout: float = 30.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        p = launcher.progress(handle)
+        if p.phase is LaunchPhase.FAILED:
+            return p
+        time.sleep(0.2)
+    raise AssertionError(f"never failed: {launcher.progress(handle)}")
+
+
+def test_a_failing_setup_fails_the_request_naming_the_node_and_its_log(loopback):
+    launcher = loopback
+    launcher.package = "http://10.255.255.1:9/v1/agent/dist/none.whl"  # unreachable
+    launcher.pip_args = "--no-index --no-deps --timeout 1 --retries 0"
+    handle = launcher.launch(_request("j3", nodes=1))
+    p = _wait_failed(launcher, handle, timeout=60)
+    assert "setup failed on j3-a1-n0" in p.detail and "setup.log" in p.detail
+    assert not p.capacity
+
+
+@pytest.mark.skipif(Fabric.unavailable_reason() is not None, reason="needs network namespaces")
+def test_nodes_in_namespaces_are_hosts_of_their_own(tmp_path: Path):
+    launcher = LocalLauncher(
+        tmp_path / "nodes", "http://10.255.255.1:9", lambda job: "t", network="netns"
+    )
+    try:
+        handle = launcher.launch(_request("j4"))
+        _wait(launcher, handle, LaunchPhase.UP)
+        pids = [
+            int((launcher.node_dir("j4", n) / "agent.pid").read_text()) for n in handle.node_ids
+        ]
+        mine = os.readlink("/proc/self/ns/net")
+        spaces = {os.readlink(f"/proc/{pid}/ns/net") for pid in pids}
+        assert mine not in spaces and len(spaces) == 2
+        ips = _environ(pids[0])["SKYPILOT_NODE_IPS"].splitlines()
+        assert len(set(ips)) == 2 and all(not ip.startswith("127.") for ip in ips)
+        assert _environ(pids[0])["SKYRESUME_METADATA_URL"] == ""  # the provider's own address
+        launcher.down(handle)
+        assert not launcher.fabric.hosts()  # the hosts went back with the nodes
+    finally:
+        fabric = launcher.fabric
+        launcher.close()
+        fabric.teardown()
