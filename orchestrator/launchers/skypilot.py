@@ -13,8 +13,16 @@ What it does, per attempt:
    ``envs``, the agent's token in ``secrets``, and ``resources`` pinned to the
    planner's one choice (infra, instance type, accelerators, spot), so SkyPilot's
    optimizer has nothing left to choose and cannot wander to another region;
-3. **launch / status / down** through the SDK's request ids (``sky.launch``,
-   ``sky.status``, ``sky.down``, each answered by ``sky.get``).
+3. **submit, then poll**: ``sky.launch`` / ``sky.exec`` / ``sky.down`` are requests
+   to SkyPilot's API server, which answers each with a request id at once and runs
+   it in its own workers (a launch provisions for minutes). The launcher submits
+   and returns the id in the handle; :meth:`SkyPilotLauncher.progress` reads the
+   request's status with ``sky.api_status`` (PENDING/RUNNING -> PROVISIONING,
+   SUCCEEDED -> UP, FAILED -> FAILED with the exception SkyPilot stored for it,
+   which ``sky.get`` re-raises at once for a finished request). Nothing here waits
+   on a request that is still running: the reconciler calls these inside its
+   database transaction, under a 10 s lease. Each SDK call is bounded by a
+   timeout, because the SDK's own reads have no read timeout.
 
 Recovery is skyresume's: tasks go through ``sky.launch`` as plain clusters, never
 ``sky.jobs.launch``, so SkyPilot's managed-job recovery (which polls every ~15 s,
@@ -28,10 +36,14 @@ capacity fails fast and the reconciler re-plans with that region cooled down.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import json
 import re
 import shlex
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +58,8 @@ from orchestrator.launchers.base import (
     ClusterStatus,
     LaunchError,
     LaunchHandle,
+    LaunchPhase,
+    LaunchProgress,
     LaunchRequest,
 )
 
@@ -198,9 +212,11 @@ def build_task(
     templates_dir: Path = TEMPLATES_DIR,
     token: str = "",
     package: str = "skyresume",
+    pin: bool = True,
 ) -> Any:
     """A ``sky.Task`` from a template, rendered with the run's context and pinned to
-    the request's placement. Raises TaskRejected naming what SkyPilot refused."""
+    the request's placement (``pin=False``: left unpinned, for a provisioner that
+    is not a SkyPilot cloud). Raises TaskRejected naming what SkyPilot refused."""
     if not request.command.strip():
         raise TaskRejected("the job has no command to run under the agent")
     path = template_path(template, templates_dir)
@@ -212,7 +228,7 @@ def build_task(
     config["envs"] = envs
     secrets = {"SKYRESUME_AGENT_TOKEN": token} if token else None
     task = task_from_config(config, what=what, secrets=secrets)
-    return _pin(task, request, what)
+    return _pin(task, request, what) if pin else task
 
 
 def build_task_from_user_yaml(
@@ -222,6 +238,7 @@ def build_task_from_user_yaml(
     token: str = "",
     package: str = "skyresume",
     templates_dir: Path = TEMPLATES_DIR,
+    pin: bool = True,
 ) -> Any:
     """A user's own SkyPilot task, kept as written (name, setup, envs, file_mounts,
     workdir), with its ``run`` handed to the agent as the command and its resources
@@ -250,7 +267,7 @@ def build_task_from_user_yaml(
     config.pop("num_nodes", None)
     secrets = {"SKYRESUME_AGENT_TOKEN": token} if token else None
     task = task_from_config(config, what=what, secrets=secrets)
-    return _pin(task, request, what)
+    return _pin(task, request, what) if pin else task
 
 
 def dry_run(task: Any, cluster_name: str) -> None:
@@ -270,8 +287,129 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+#: SkyPilot's exceptions for "no capacity or quota for the resources it was given"
+#: (``sky.exceptions``): with the task pinned to one placement, that placement is out
+#: of stock and the job re-plans (CapacityError, ``LaunchProgress.capacity``).
+CAPACITY_ERRORS = frozenset({"ResourcesUnavailableError", "InsufficientCapacityError"})
+
+#: Raised by the SDK when its API server cannot be reached or spoken to: the request
+#: was not answered, which says nothing about the task or the cluster.
+_TRANSPORT_ERRORS = frozenset(
+    {
+        "ApiServerConnectionError",
+        "ApiServerAuthenticationError",
+        "APIVersionMismatchError",
+        "NetworkBlocked",
+    }
+)
+
+
+class RequestStatus(StrEnum):
+    """A SkyPilot API request's status (``sky.server.requests.requests.RequestStatus``)."""
+
+    PENDING = "PENDING"  # queued on the API server
+    WAITING = "WAITING"  # parked (newer servers; older clients see RUNNING)
+    RUNNING = "RUNNING"  # a worker of the API server is running it (provisioning)
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"  # its exception is stored with it; ``sky.get`` re-raises it
+    CANCELLED = "CANCELLED"  # ``sky api cancel`` (or another client) aborted it
+
+    def is_terminal(self) -> bool:
+        return self in (RequestStatus.SUCCEEDED, RequestStatus.FAILED, RequestStatus.CANCELLED)
+
+
+class SkyCallTimeout(TimeoutError):
+    """An SDK call did not return within its bound (its thread is left to finish)."""
+
+
+def _bounded(seconds: float, what: str, fn: Callable[..., Any], /, *args: Any, **kw: Any) -> Any:
+    """``fn(*args, **kw)`` in a daemon thread, waited on for at most ``seconds``.
+
+    The SDK's reads have no read timeout (``sky.get`` and ``sky.api_status`` pass
+    ``timeout=(connect, None)``) and its POSTs retry transient errors with backoff:
+    a hung API server would hold the reconciler's transaction, and so its lease,
+    for as long as it hangs. The context is copied because the SDK keeps the
+    server's API version in context variables."""
+    ctx = contextvars.copy_context()
+    box: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            box["value"] = ctx.run(fn, *args, **kw)
+        except BaseException as e:  # SkyPilot raises SystemExit on some bad input
+            box["error"] = e
+
+    thread = threading.Thread(target=call, name=f"skyresume-{what}", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise SkyCallTimeout(f"{what} did not answer within {seconds:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def _is_transport_error(e: BaseException) -> bool:
+    if isinstance(e, (SkyCallTimeout, ConnectionError, TimeoutError)):
+        return True
+    names = {c.__name__ for c in type(e).__mro__}
+    if names & _TRANSPORT_ERRORS:
+        return True
+    # requests' exceptions, without importing requests here
+    return type(e).__module__.startswith(("requests.", "urllib3."))
+
+
+def _is_capacity_error(e: BaseException) -> bool:
+    return bool({c.__name__ for c in type(e).__mro__} & CAPACITY_ERRORS)
+
+
+def _field(rec: Any, name: str) -> Any:
+    return rec.get(name) if isinstance(rec, dict) else getattr(rec, name, None)
+
+
+def _task_text(rec: Any) -> str:
+    """The task YAML a request was submitted with (its body, as ``api_status`` lists
+    it for the request's owner), or "" when the server did not include it."""
+    try:
+        body = json.loads(_field(rec, "request_body") or "null")
+    except (TypeError, ValueError):
+        return ""
+    task = body.get("task") if isinstance(body, dict) else None
+    return task if isinstance(task, str) else ""
+
+
+def _names_task(rec: Any, task_name: str) -> bool:
+    return re.search(rf"(?m)^name: {re.escape(task_name)}\s*$", _task_text(rec)) is not None
+
+
+def _placement_of_body(rec: Any) -> str:
+    """``cloud/region instance type`` from a request's task YAML (best effort)."""
+    text = _task_text(rec)
+    infra = re.search(r"(?m)^\s+infra: (\S+)", text)
+    itype = re.search(r"(?m)^\s+instance_type: (\S+)", text)
+    return " ".join(m.group(1) for m in (infra, itype) if m)
+
+
+def hosts_of(result: Any) -> tuple[str, ...]:
+    """Node addresses from a finished launch's result ``(job_id, handle)``: the
+    handle's ``stable_internal_external_ips`` (head first), external where there is
+    one; () when SkyPilot gave none."""
+    handle = result[1] if isinstance(result, (tuple, list)) and len(result) == 2 else None
+    pairs = getattr(handle, "stable_internal_external_ips", None) or ()
+    hosts = []
+    for pair in pairs:
+        internal, external = (*tuple(pair), None, None)[:2]
+        if external or internal:
+            hosts.append(str(external or internal))
+    return tuple(hosts)
+
+
 class SkyPilotLauncher:
-    """The Launcher protocol over the SkyPilot SDK (see the module docstring)."""
+    """The Launcher protocol over the SkyPilot SDK (see the module docstring).
+
+    Every SDK call is submitted and answered by request id, never waited on: a
+    launch takes minutes and is polled with :meth:`progress`; reads are bounded by
+    ``poll_timeout_s``, submissions by ``submit_timeout_s``."""
 
     name = "skypilot"
     #: A relaunch in place runs the task again on the same cluster (``sky.exec``);
@@ -288,6 +426,8 @@ class SkyPilotLauncher:
         package: str = "skyresume",
         history: Callable[[], Iterable[FailureRecord]] | None = None,
         sdk: Any = None,
+        poll_timeout_s: float = 5.0,
+        submit_timeout_s: float = 30.0,
     ) -> None:
         self.settings = settings
         self.token_for = token_for or (lambda _job: "")
@@ -296,6 +436,11 @@ class SkyPilotLauncher:
         self.package = package
         self.history = history or (lambda: ())
         self._sdk = sdk
+        self.poll_timeout_s = poll_timeout_s
+        self.submit_timeout_s = submit_timeout_s
+        #: request id -> "cloud/region instance type", for the failure message; after
+        #: a service restart the request's own body says it (_placement_of_body).
+        self._placements: dict[str, str] = {}
 
     @property
     def sdk(self) -> Any:
@@ -359,7 +504,11 @@ class SkyPilotLauncher:
 
     # --- the Launcher protocol ---------------------------------------------------
 
-    def build(self, request: LaunchRequest, task: TaskSpec | None = None) -> Any:
+    def build(
+        self, request: LaunchRequest, task: TaskSpec | None = None, *, pin: bool = True
+    ) -> Any:
+        """The job's ``sky.Task`` (``pin=False``: resources left as written; the local
+        provisioner runs the same task without a SkyPilot cloud to pin it to)."""
         task = task or getattr(request, "task", None)
         token = self.token_for(request.job_id)
         if task is not None and task.skypilot_yaml:
@@ -369,6 +518,7 @@ class SkyPilotLauncher:
                 token=token,
                 package=self.package,
                 templates_dir=self.templates_dir,
+                pin=pin,
             )
         template = (task.template if task is not None else None) or self.template
         return build_task(
@@ -377,54 +527,173 @@ class SkyPilotLauncher:
             templates_dir=self.templates_dir,
             token=token,
             package=self.package,
+            pin=pin,
         )
 
     def launch(self, request: LaunchRequest, task: TaskSpec | None = None) -> LaunchHandle:
+        """Submit ``sky.launch`` (a plain cluster: no retry_until_up, no autostop, no
+        down) and return with its request id; provisioning is polled by
+        :meth:`progress`. Idempotent per job and attempt: a launch request SkyPilot
+        already holds for this attempt's cluster is answered with, not submitted
+        again, whatever its status (a failed attempt stays failed; the next attempt
+        has a cluster name of its own)."""
         name = cluster_name_for(request.job_id, request.attempt)
-        sky_task = self.build(request, task or request.task)
+        p = request.placement
+        where = f"{p.cloud}/{p.region} {p.instance_type}"
+        sky_task = self.build(request, task or request.task)  # TaskRejected at once
+        node_ids = self._node_ids(request)
+        earlier = self._earlier_request(name, "sky.launch", task_name=None)
+        if earlier:
+            self._placements.setdefault(earlier, where)
+            return LaunchHandle(name, self.name, node_ids, request_id=earlier)
         current = self.status(LaunchHandle(name, self.name))
         if current.state in (ClusterState.UP, ClusterState.LAUNCHING):
-            # Idempotent: a service that restarted mid-launch must not launch twice.
-            return LaunchHandle(name, self.name, self._node_ids(request))
+            # Up (or coming up) from a launch whose request SkyPilot no longer lists:
+            # progress reads the cluster itself when there is no request id.
+            return LaunchHandle(name, self.name, node_ids)
         sky = self.sdk
         try:
-            sky.get(
-                sky.launch(
-                    sky_task,
-                    cluster_name=name,
-                    retry_until_up=False,
-                    idle_minutes_to_autostop=None,
-                    down=False,
-                )
+            rid = _bounded(
+                self.submit_timeout_s,
+                "sky.launch",
+                sky.launch,
+                sky_task,
+                cluster_name=name,
+                retry_until_up=False,
+                idle_minutes_to_autostop=None,
+                down=False,
             )
         except Exception as e:
-            # ResourcesUnavailableError is SkyPilot's "no capacity or quota for any of
-            # the resources it was given": with the task pinned to one placement, that
-            # placement is out of stock and the job re-plans.
-            error = (
-                CapacityError
-                if type(e).__name__ in ("ResourcesUnavailableError", "InsufficientCapacityError")
-                else LaunchError
-            )
-            raise error(
-                f"SkyPilot could not launch {name} on {request.placement.cloud}/"
-                f"{request.placement.region} {request.placement.instance_type}: "
-                f"{_first_line(e)}"
-            ) from None
-        return LaunchHandle(name, self.name, self._node_ids(request))
+            raise _submit_error(e, f"SkyPilot could not launch {name} on {where}") from None
+        self._placements[str(rid)] = where
+        return LaunchHandle(name, self.name, node_ids, request_id=str(rid))
 
     def restart(self, previous: LaunchHandle, request: LaunchRequest) -> LaunchHandle:
-        """Run the new attempt's task on the cluster that is already up (``sky.exec``:
-        no provisioning, no setup); the nodes are the same, the attempt is new."""
-        sky = self.sdk
+        """Submit the new attempt's task on the cluster that is already up (``sky.exec``:
+        no provisioning, no setup) and return with its request id, polled like a
+        launch; the nodes are the same, the attempt is new. Idempotent per attempt:
+        the task is named after the attempt, and an exec of that task SkyPilot holds
+        for the cluster is answered with."""
         sky_task = self.build(request, request.task)
+        cluster = previous.cluster_name
+        node_ids = self._node_ids(request)
+        earlier = self._earlier_request(cluster, "sky.exec", task_name=sky_task.name)
+        if earlier:
+            return LaunchHandle(cluster, self.name, node_ids, previous.hosts, earlier)
+        sky = self.sdk
         try:
-            sky.get(sky.exec(sky_task, cluster_name=previous.cluster_name))
+            rid = _bounded(
+                self.submit_timeout_s, "sky.exec", sky.exec, sky_task, cluster_name=cluster
+            )
+        except Exception as e:
+            raise _submit_error(e, f"SkyPilot could not restart on {cluster}") from None
+        return LaunchHandle(cluster, self.name, node_ids, previous.hosts, str(rid))
+
+    def _earlier_request(self, cluster: str, kind: str, *, task_name: str | None) -> str:
+        """The id of the newest ``kind`` request SkyPilot holds for ``cluster`` (and,
+        for an exec, for the task named ``task_name``): an unfinished one first.
+        LaunchError when SkyPilot cannot be asked: not knowing whether the request
+        was already submitted must never become submitting it twice."""
+        sky = self.sdk
+        try:
+            records = _bounded(
+                self.poll_timeout_s,
+                "sky.api_status",
+                sky.api_status,
+                cluster_name=cluster,
+                all_status=True,
+            )
         except Exception as e:
             raise LaunchError(
-                f"SkyPilot could not restart on {previous.cluster_name}: {_first_line(e)}"
+                f"cannot tell whether SkyPilot already has a {kind} of {cluster} "
+                f"(sky.api_status: {_first_line(e)}); not submitting it again blind"
             ) from None
-        return LaunchHandle(previous.cluster_name, self.name, self._node_ids(request))
+        mine = [
+            r
+            for r in records or []
+            if _field(r, "name") == kind
+            and _field(r, "cluster_name") == cluster  # older servers ignore the filter
+            and (task_name is None or _names_task(r, task_name))
+        ]
+        if not mine:
+            return ""
+
+        def rank(r: Any) -> tuple[bool, float]:
+            unfinished = str(_field(r, "status")) in ("PENDING", "WAITING", "RUNNING")
+            return (unfinished, float(_field(r, "created_at") or 0.0))
+
+        return str(_field(max(mine, key=rank), "request_id"))
+
+    def progress(self, handle: LaunchHandle) -> LaunchProgress:
+        """Where the launch (or exec) request of ``handle`` is, read without waiting:
+        ``sky.api_status`` for its status, and ``sky.get`` only once it is finished
+        (the server answers a finished request at once). Never raises."""
+        try:
+            if not handle.request_id:
+                return self._progress_from_cluster(handle)
+            return self._progress_of_request(handle)
+        # SkyPilot raises SystemExit on some input; progress must still answer.
+        except (Exception, SystemExit) as e:  # a provider that cannot be read is not a dead cluster
+            return LaunchProgress(LaunchPhase.UNKNOWN, f"SkyPilot: {_first_line(e)}")
+
+    def _progress_of_request(self, handle: LaunchHandle) -> LaunchProgress:
+        sky, rid = self.sdk, handle.request_id
+        records = _bounded(self.poll_timeout_s, "sky.api_status", sky.api_status, request_ids=[rid])
+        rec = next((r for r in records or [] if _field(r, "request_id") == rid), None)
+        if rec is None:
+            # The SDK answers [] when a local API server is not running; a server can
+            # also have dropped old requests. Neither says the launch failed.
+            return LaunchProgress(
+                LaunchPhase.UNKNOWN, f"SkyPilot lists no request {rid} for {handle.cluster_name}"
+            )
+        raw = str(_field(rec, "status") or "")
+        try:
+            status = RequestStatus(raw)
+        except ValueError:
+            return LaunchProgress(LaunchPhase.UNKNOWN, f"request {rid}: unknown status {raw!r}")
+        kind = str(_field(rec, "name") or "request")
+        if not status.is_terminal():
+            msg = _field(rec, "status_msg")
+            detail = f"{kind} {rid} {status.value}" + (f": {msg}" if msg else "")
+            return LaunchProgress(LaunchPhase.PROVISIONING, detail)
+        if status is RequestStatus.CANCELLED:
+            return LaunchProgress(
+                LaunchPhase.FAILED, f"{kind} of {handle.cluster_name} was cancelled ({rid})"
+            )
+        try:
+            result = _bounded(self.poll_timeout_s, "sky.get", sky.get, rid)
+        except Exception as e:
+            if _is_transport_error(e):
+                return LaunchProgress(LaunchPhase.UNKNOWN, f"sky.get {rid}: {_first_line(e)}")
+            if status is RequestStatus.SUCCEEDED:  # it succeeded, its result is unreadable
+                return LaunchProgress(LaunchPhase.UP, f"{kind} {rid} SUCCEEDED")
+            return self._failed(handle, rec, e)
+        if status is RequestStatus.FAILED:  # listed failed, yet get returned
+            return LaunchProgress(LaunchPhase.FAILED, f"{kind} {rid} FAILED")
+        return LaunchProgress(LaunchPhase.UP, f"{kind} {rid} SUCCEEDED", hosts=hosts_of(result))
+
+    def _failed(self, handle: LaunchHandle, rec: Any, e: BaseException) -> LaunchProgress:
+        cluster = handle.cluster_name
+        if _field(rec, "name") == "sky.exec":
+            what = f"SkyPilot could not restart on {cluster}"
+        else:
+            where = self._placements.get(handle.request_id) or _placement_of_body(rec)
+            what = f"SkyPilot could not launch {cluster}" + (f" on {where}" if where else "")
+        return LaunchProgress(
+            LaunchPhase.FAILED,
+            f"{what}: {type(e).__name__}: {_first_line(e)}",
+            capacity=_is_capacity_error(e),
+        )
+
+    def _progress_from_cluster(self, handle: LaunchHandle) -> LaunchProgress:
+        st = self.status(handle)
+        if st.state is ClusterState.UP:
+            return LaunchProgress(LaunchPhase.UP, f"cluster {handle.cluster_name} is UP")
+        if st.state is ClusterState.LAUNCHING:
+            return LaunchProgress(LaunchPhase.PROVISIONING, f"cluster {handle.cluster_name} INIT")
+        if st.state is ClusterState.DOWN:
+            return LaunchProgress(LaunchPhase.FAILED, f"cluster {handle.cluster_name}: {st.detail}")
+        return LaunchProgress(LaunchPhase.UNKNOWN, st.detail)
 
     def node_disk(self, job_id: str, attempt: int, index: int) -> Path:
         raise LaunchError("SkyPilot nodes stage their checkpoint themselves: no node disk here")
@@ -437,21 +706,63 @@ class SkyPilotLauncher:
         )
 
     def status(self, handle: LaunchHandle) -> ClusterStatus:
+        """``sky.status`` of the cluster (SkyPilot's cached record, no cloud refresh),
+        submitted and answered within ``poll_timeout_s`` each."""
         sky = self.sdk
         try:
-            records = sky.get(sky.status(cluster_names=[handle.cluster_name]))
+            rid = _bounded(
+                self.poll_timeout_s,
+                "sky.status",
+                sky.status,
+                cluster_names=[handle.cluster_name],
+            )
+            records = _bounded(self.poll_timeout_s, "sky.get", sky.get, rid)
         except Exception as e:  # an unreadable provider is UNKNOWN, never DOWN
             return ClusterStatus(ClusterState.UNKNOWN, detail=f"sky.status: {_first_line(e)}")
         return status_from_records(handle, records)
 
     def down(self, handle: LaunchHandle) -> None:
+        """Submit ``sky.down`` and return: the teardown takes minutes and is SkyPilot's
+        to finish (``status`` shows it gone). Idempotent: a teardown SkyPilot is
+        already running for the cluster is not submitted again, and a cluster that
+        does not exist is already down. LaunchError when it could not be submitted."""
         sky = self.sdk
+        name = handle.cluster_name
         try:
-            sky.get(sky.down(handle.cluster_name))
+            active = _bounded(
+                self.poll_timeout_s, "sky.api_status", sky.api_status, cluster_name=name
+            )
+        except Exception:
+            active = []  # unreadable: submitting a second down is harmless, missing one is not
+        if any(
+            _field(r, "name") == "sky.down" and _field(r, "cluster_name") == name
+            for r in active or []
+        ):
+            return
+        try:
+            _bounded(self.submit_timeout_s, "sky.down", sky.down, name)
         except Exception as e:
             if type(e).__name__ == "ClusterDoesNotExist":
                 return  # already gone: down is idempotent
-            raise LaunchError(f"SkyPilot could not tear down {handle.cluster_name}: {e}") from None
+            raise LaunchError(f"SkyPilot could not tear down {name}: {_first_line(e)}") from None
+
+
+def _submit_error(e: BaseException, what: str) -> LaunchError:
+    """The error for a request SkyPilot did not accept: CapacityError for a stockout,
+    TaskRejected for what SkyPilot's validation refused, LaunchError otherwise (an
+    API server that could not be reached or did not answer in time)."""
+    text = f"{what}: {_first_line(e)}"
+    if _is_capacity_error(e):
+        return CapacityError(text)
+    if isinstance(e, SkyCallTimeout):
+        return LaunchError(f"{text} (it may have been submitted: the next launch asks first)")
+    if _is_transport_error(e):
+        return LaunchError(text)
+    if isinstance(e, (ValueError, TypeError, KeyError, AssertionError, SystemExit)) or (
+        type(e).__module__.startswith("sky.") or "jsonschema" in type(e).__module__
+    ):
+        return TaskRejected(f"{what}: SkyPilot rejected it: {_first_line(e)}")
+    return LaunchError(text)
 
 
 def status_from_records(handle: LaunchHandle, records: Any) -> ClusterStatus:

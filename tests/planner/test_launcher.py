@@ -1,6 +1,7 @@
 """The SkyPilot launcher: real ``sky.Task`` / ``sky.Resources`` built from the templates
-and from users' SkyPilot YAMLs, the run section executed by bash, the SDK's request-id
-flow against a recording fake, and SkyPilot's own dry run where it runs offline."""
+and from users' SkyPilot YAMLs, the run section executed by bash, and SkyPilot's own dry
+run where it runs offline. (Its requests: test_skypilot_requests.py, against a fake SDK,
+and test_skypilot_api_server.py, against SkyPilot's API server.)"""
 
 from __future__ import annotations
 
@@ -278,87 +279,15 @@ def test_cluster_names_are_valid_for_skypilot_and_unique_per_attempt(sky):
 
 
 class RecordingSdk:
-    """The SDK surface the launcher uses, recording calls; answers like the real
-    client (request ids, then ``get``). Real exceptions come from ``sky.exceptions``."""
+    """Records every SDK call; the launcher must make none for a task it refuses.
+    (The request flow is tested against a fake SDK in test_skypilot_requests.py and
+    against SkyPilot's API server in test_skypilot_api_server.py.)"""
 
-    def __init__(self, sky, clusters=None, fail_launch=None):
-        self.sky = sky
+    def __init__(self, sky):
         self.calls: list[tuple] = []
-        self.clusters = dict(clusters or {})
-        self.fail_launch = fail_launch
 
-    def launch(self, task, **kw):
-        self.calls.append(("launch", task, kw))
-        return ("launch", task, kw)
-
-    def status(self, cluster_names=None, **kw):
-        self.calls.append(("status", tuple(cluster_names or ())))
-        return ("status", cluster_names)
-
-    def down(self, name, **kw):
-        self.calls.append(("down", name))
-        return ("down", name)
-
-    def get(self, rid):
-        kind = rid[0]
-        if kind == "launch":
-            if self.fail_launch:
-                raise self.fail_launch
-            self.clusters[rid[2]["cluster_name"]] = "UP"
-            return (1, object())
-        if kind == "status":
-            return [
-                {"name": n, "status": self.sky.ClusterStatus(self.clusters[n])}
-                for n in rid[1]
-                if n in self.clusters
-            ]
-        if rid[1] not in self.clusters:
-            raise self.sky.exceptions.ClusterDoesNotExist(f"Cluster {rid[1]!r} does not exist.")
-        del self.clusters[rid[1]]
-        return None
-
-
-def test_launch_status_down_through_request_ids(sky):
-    sdk = RecordingSdk(sky)
-    launcher = SkyPilotLauncher(sdk=sdk, token_for=lambda job: f"token-of-{job}")
-    handle = launcher.launch(request())
-    assert handle == LaunchHandle(
-        "sr-j-0a1b2c3d4e-a3", "skypilot", ("j-0a1b2c3d4e-a3-n0", "j-0a1b2c3d4e-a3-n1")
-    )
-    launches = [c for c in sdk.calls if c[0] == "launch"]
-    assert len(launches) == 1
-    _, task, kw = launches[0]
-    assert kw == {
-        "cluster_name": "sr-j-0a1b2c3d4e-a3",
-        "retry_until_up": False,
-        "idle_minutes_to_autostop": None,
-        "down": False,
-    }
-    assert task.secrets["SKYRESUME_AGENT_TOKEN"].get_secret_value() == "token-of-j-0a1b2c3d4e"
-    assert launcher.status(handle).state is ClusterState.UP
-    # launching again (a service restarted mid-launch) does not launch twice
-    launcher.launch(request())
-    assert len([c for c in sdk.calls if c[0] == "launch"]) == 1
-    launcher.down(handle)
-    assert launcher.status(handle).state is ClusterState.DOWN
-    launcher.down(handle)  # already gone: still fine
-
-
-def test_a_failed_launch_is_a_launch_error_naming_the_placement(sky):
-    err = sky.exceptions.ResourcesUnavailableError("Failed to acquire resources in us-west-2")
-    launcher = SkyPilotLauncher(sdk=RecordingSdk(sky, fail_launch=err))
-    with pytest.raises(LaunchError, match=r"aws/us-west-2 p4d\.24xlarge: Failed to acquire"):
-        launcher.launch(request())
-
-
-def test_an_unreadable_provider_is_unknown_never_down(sky):
-    class Broken(RecordingSdk):
-        def get(self, rid):
-            raise ConnectionError("API server unreachable")
-
-    launcher = SkyPilotLauncher(sdk=Broken(sky))
-    st = launcher.status(LaunchHandle("sr-x-a1", "skypilot"))
-    assert st.state is ClusterState.UNKNOWN and "unreachable" in st.detail
+    def __getattr__(self, name):
+        return lambda *a, **kw: self.calls.append((name, a, kw))
 
 
 def test_status_mapping(sky):
