@@ -174,8 +174,12 @@ def start(
     config.write_text(json.dumps(identity))
     config.chmod(0o600)
     names = ["master", "master.grpc", "volume", "volume.grpc", "filer", "filer.grpc", "s3.grpc"]
-    ports = dict(zip(names, _free_ports(host, len(names)), strict=True))
-    ports["s3"] = port or _free_ports(host, 1)[0]
+    try:
+        free = _free_ports(host, len(names) + 1)
+    except OSError as e:  # not an address of this host (a bridge not up yet?)
+        raise SeaweedError(f"cannot bind {host}: {e}") from None
+    ports = dict(zip(names, free[:-1], strict=True))
+    ports["s3"] = port or free[-1]
     cmd = [
         binary,
         "server",
