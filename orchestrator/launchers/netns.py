@@ -235,7 +235,11 @@ class Fabric:
         )
 
     def hosts(self) -> list[Host]:
-        """Every host this fabric has allocated, in index order (from state)."""
+        """Every host this fabric has allocated, in index order.
+
+        Read from state, not the kernel: a host whose namespace is gone (the machine
+        rebooted) is still listed, and :meth:`add_host` makes it again, same IP.
+        """
         with self._locked() as state:
             found = [self._host(n, r) for n, r in state["hosts"].items()]
         return sorted(found, key=lambda h: h.index)
@@ -260,16 +264,18 @@ class Fabric:
         bridge whose host is gone; nothing outside this fabric's names is touched.
         """
         gw = f"{self.gateway}/{self.prefixlen}"
+        # Checked before anything is made: two links on one subnet would route a
+        # node's packets out of the wrong one, and the failure would look like chaos.
+        for dev, addr in self._addresses():
+            if dev != self.bridge and addr.network.overlaps(self.subnet):
+                raise FabricError(
+                    f"subnet {self.subnet} overlaps {addr} on {dev} (another fabric or a "
+                    f"real network): pick another subnet for bridge {self.bridge}"
+                )
         if not _link_exists(self.bridge):
             _run("ip", "link", "add", self.bridge, "type", "bridge")
-        owner = self._address_owner(self.gateway)
-        if owner not in (None, self.bridge):
-            raise FabricError(
-                f"gateway {self.gateway} is already on {owner}: another fabric uses "
-                f"subnet {self.subnet}; pick another"
-            )
-        if owner is None:
-            _run("ip", "addr", "add", gw, "dev", self.bridge)
+        if (self.bridge, ipaddress.ip_interface(gw)) not in self._addresses():
+            _run("ip", "addr", "replace", gw, "dev", self.bridge)
         _run("ip", "link", "set", self.bridge, "up")
         with self._locked() as state:
             known = {self._host(n, r).netns for n, r in state["hosts"].items()}
@@ -282,12 +288,14 @@ class Fabric:
                     _run("ip", "link", "del", dev, check=False)
 
     @staticmethod
-    def _address_owner(ip: str) -> str | None:
+    def _addresses() -> list[tuple[str, ipaddress.IPv4Interface]]:
+        """Every IPv4 address on the host's links, with its link's name."""
+        out = []
         for link in json.loads(_run("ip", "-j", "-4", "addr", "show").stdout or "[]"):
             for a in link.get("addr_info", []):
-                if a.get("local") == ip:
-                    return str(link["ifname"])
-        return None
+                iface = ipaddress.IPv4Interface(f"{a['local']}/{a['prefixlen']}")
+                out.append((str(link["ifname"]), iface))
+        return out
 
     def _bridge_ports(self) -> list[str]:
         p = _run("ip", "-j", "link", "show", "master", self.bridge, check=False)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.cloud.simulator import MetadataSimulator
-from orchestrator.launchers.netns import Fabric, Host, parse_rate
+from orchestrator.launchers.netns import Fabric, FabricError, Host, parse_rate
 
 REASON = Fabric.unavailable_reason()
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"no network fabric: {REASON}")
@@ -329,12 +329,25 @@ def test_a_stale_namespace_is_cleared_and_namespaces_not_ours_are_left_alone(
         subprocess.run(["ip", "netns", "del", stale], check=False, capture_output=True)
 
 
+def test_a_subnet_that_overlaps_another_link_is_refused_before_anything_is_made(
+    fabric: Fabric, tmp_path: Path
+) -> None:
+    inner = str(next(fabric.subnet.subnets(new_prefix=26)))
+    other = Fabric(tmp_path / "other", bridge=f"srbru{secrets.token_hex(2)}", subnet=inner)
+    with pytest.raises(FabricError, match=f"overlaps .* on {fabric.bridge}"):
+        other.up()
+    links = subprocess.run(["ip", "link", "show"], capture_output=True, text=True).stdout
+    assert other.bridge not in links
+
+
 def test_teardown_leaves_no_namespace_no_bridge_and_no_process(fabric: Fabric) -> None:
     a = fabric.add_host("node-a")
     fabric.add_host("node-b")
     with MetadataSimulator(fabric.gateway, 0) as sim:
         front = fabric.start_metadata(a, sim.node_url("node-a"))
         assert fabric.start_metadata(a, sim.node_url("node-a")) == front  # idempotent
+        restarted = Fabric(fabric.state_dir, bridge=fabric.bridge, subnet=str(fabric.subnet))
+        assert restarted.start_metadata(a, sim.node_url("node-a")) == front  # found again
         sleeper = subprocess.Popen([*fabric.exec_prefix(a), "sleep", "600"])
         fabric.teardown()
         assert sleeper.wait(5) != 0  # the node's processes died with it
