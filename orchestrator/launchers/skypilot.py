@@ -536,7 +536,10 @@ class SkyPilotLauncher:
         :meth:`progress`. Idempotent per job and attempt: a launch request SkyPilot
         already holds for this attempt's cluster is answered with, not submitted
         again, whatever its status (a failed attempt stays failed; the next attempt
-        has a cluster name of its own)."""
+        has a cluster name of its own). SkyPilot keeps finished requests for
+        ``api_server.requests_retention_hours`` (24 h by default); the cluster's own
+        status is not read here, because ``sky.status`` waits behind a busy API
+        server (seconds, measured) and an unreadable one proved nothing anyway."""
         name = cluster_name_for(request.job_id, request.attempt)
         p = request.placement
         where = f"{p.cloud}/{p.region} {p.instance_type}"
@@ -546,11 +549,6 @@ class SkyPilotLauncher:
         if earlier:
             self._placements.setdefault(earlier, where)
             return LaunchHandle(name, self.name, node_ids, request_id=earlier)
-        current = self.status(LaunchHandle(name, self.name))
-        if current.state in (ClusterState.UP, ClusterState.LAUNCHING):
-            # Up (or coming up) from a launch whose request SkyPilot no longer lists:
-            # progress reads the cluster itself when there is no request id.
-            return LaunchHandle(name, self.name, node_ids)
         sky = self.sdk
         try:
             rid = _bounded(

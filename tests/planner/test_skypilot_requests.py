@@ -227,13 +227,6 @@ def test_a_service_restarted_mid_launch_does_not_submit_it_twice(fake):
     assert len(fake.submitted("launch")) == 2
 
 
-def test_a_cluster_up_without_a_listed_request_is_not_launched_again(launcher, fake):
-    fake.clusters[CLUSTER] = "UP"  # launched earlier; SkyPilot has since dropped the request
-    handle = launcher.launch(request())
-    assert handle.request_id == "" and fake.submitted("launch") == []
-    assert launcher.progress(handle).phase is LaunchPhase.UP  # read from the cluster
-
-
 def test_when_skypilot_cannot_say_what_it_holds_nothing_is_submitted_blind(launcher, fake):
     fake.offline = ConnectionError("Could not connect to SkyPilot API server")
     with pytest.raises(LaunchError, match="not submitting it again blind"):
