@@ -75,6 +75,13 @@ class Env:
     CONTROL_FILE = "SKYRESUME_RUN_CONTROL_FILE"
 
 
+#: The agent <-> service protocol (the agent routes' bodies and their meaning). An
+#: agent registers with it and ``orchestrator.__version__``; the service refuses (409)
+#: an agent whose protocol or version differs from its own, so a node never runs
+#: half-working against a service that reads its reports differently.
+AGENT_PROTOCOL = 1
+
+
 class ExitCode(IntEnum):
     """Why a rank exited. Anything not listed is a crash the classifier reads from logs."""
 

@@ -121,8 +121,18 @@ def make_launcher(settings: Settings, token: str, cleanup: contextlib.ExitStack)
         cleanup.callback(local.close)
         return local
     from orchestrator.launchers.skypilot import SkyPilotLauncher
+    from orchestrator.package import agent_package_spec
+    from orchestrator.settings import require_routable
 
-    return SkyPilotLauncher(settings=settings, token_for=lambda j: job_token(token, j))
+    # Its nodes are other hosts: a loopback or bind-all URL would have every agent talk
+    # to itself (Settings refuses that too; a model_copy such as bind_settings' skips it).
+    require_routable(settings.effective_service_url, launcher="skypilot")
+    # What the nodes pip install: the operator's spec, or this service's own wheel
+    # (built now, once), by URL pinned to its sha256 (PackageUnavailable: no source tree).
+    package = agent_package_spec(settings)
+    return SkyPilotLauncher(
+        settings=settings, token_for=lambda j: job_token(token, j), package=package
+    )
 
 
 def attach_reconciler(

@@ -12,16 +12,63 @@ Nothing here is evaluated at import time: building the engine or the app reads a
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
+import urllib.parse
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 def default_home() -> Path:
     return Path(os.environ.get("SKYRESUME_HOME", Path.home() / ".skyresume"))
+
+
+class NotRoutable(ValueError):
+    """Nodes would be given a service URL they cannot reach; the message says what to set."""
+
+
+def _unroutable_reason(url: str) -> str | None:
+    """Why nodes on other hosts could not reach ``url`` (None: they could)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host = (parts.hostname or "").strip()
+    except ValueError as e:
+        return f"not a URL: {e}"
+    if parts.scheme not in ("http", "https"):
+        return "not an http:// or https:// URL"
+    if not host:
+        return "no host"
+    if host == "localhost" or host.endswith(".localhost"):
+        return "localhost is each node itself"
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None  # a DNS name: whether nodes resolve it is the operator's to know
+    if ip.is_loopback:
+        return "a loopback address is each node itself"
+    if ip.is_unspecified:
+        return f"{host} is a bind address (every interface), not one a node can connect to"
+    return None
+
+
+def require_routable(url: str, *, launcher: str) -> str:
+    """``url`` if nodes on other hosts can reach it, else :class:`NotRoutable`.
+
+    A node given ``http://127.0.0.1:8470`` talks to itself: its agent never registers,
+    and the service reads that as a node that never came up, again and again, on
+    every launch, with nothing on the service's side saying why."""
+    why = _unroutable_reason(url)
+    if why is not None:
+        raise NotRoutable(
+            f"the {launcher} launcher would give its nodes the service URL {url or '(empty)'!r}, "
+            f"which they cannot reach ({why}): set SKYRESUME_PUBLIC_URL to the URL nodes "
+            "reach this service at, e.g. http://<this host's private IP>:8470 or "
+            "https://skyresume.example.com"
+        )
+    return url
 
 
 class Settings(BaseSettings):
@@ -35,6 +82,17 @@ class Settings(BaseSettings):
     port: int = 8470
     service_url: str = ""
     """Where clients reach the service; empty means ``http://<host>:<port>``."""
+    public_url: str = Field(default="", validate_default=True)
+    """The routable URL nodes reach the service at (``http://10.0.0.5:8470``); preferred
+    over ``service_url`` wherever a URL is handed out. Required with the SkyPilot
+    launcher: its nodes are other hosts, for which ``127.0.0.1`` is themselves."""
+    agent_package: str = ""
+    """What nodes ``pip install`` as the agent: a pip spec or a wheel URL the operator
+    chose. Empty: this service's own wheel, ``<public URL>/v1/agent/dist/<wheel>``
+    pinned by its sha256 (orchestrator/package.py builds it from this source tree)."""
+    pip_args: str = ""
+    """Extra arguments for that ``pip install`` on the node, split on whitespace
+    (``--no-index`` for nodes without internet: the service's wheel needs none)."""
     token: str = ""
     """Operator bearer token. Empty in local mode: ``serve`` creates one in
     ``<home>/token`` (mode 0600) and the CLI reads it from there."""
@@ -74,9 +132,15 @@ class Settings(BaseSettings):
 
     @field_validator("launcher")
     @classmethod
-    def _launcher(cls, v: str) -> str:
+    def _launcher(cls, v: str, info: ValidationInfo) -> str:
         if v not in ("local", "skypilot"):
             raise ValueError(f"launcher must be local or skypilot, got {v!r}")
+        d = info.data
+        if v == "skypilot" and {"host", "port", "service_url", "public_url"} <= d.keys():
+            # Here, not only when the launcher is built: a setting error is the one
+            # line every command prints (``bad setting ...``), not a traceback.
+            url = d["public_url"] or d["service_url"] or f"http://{d['host']}:{d['port']}"
+            require_routable(url.rstrip("/"), launcher=v)
         return v
 
     @field_validator("local_provider")
@@ -93,13 +157,37 @@ class Settings(BaseSettings):
             raise ValueError(f"port must be 0-65535, got {v}")
         return v
 
+    @field_validator("public_url")
+    @classmethod
+    def _public_url(cls, v: str) -> str:
+        v = v.strip().rstrip("/")
+        if v:
+            why = _unroutable_reason(v)
+            if why is not None:
+                raise ValueError(
+                    f"{v!r} is not a URL nodes can reach ({why}); give the address nodes "
+                    "connect to, e.g. http://<this host's private IP>:8470"
+                )
+        return v
+
+    @field_validator("pip_args")
+    @classmethod
+    def _pip_args(cls, v: str) -> str:
+        # One line: the template splits it on whitespace, and a newline in a task env
+        # would end the pip command early on the node.
+        if "\n" in v or "\r" in v:
+            raise ValueError("pip_args must be one line")
+        return v.strip()
+
     @property
     def effective_database_url(self) -> str:
         return self.database_url or f"sqlite:///{self.home / 'skyresume.db'}"
 
     @property
     def effective_service_url(self) -> str:
-        return (self.service_url or f"http://{self.host}:{self.port}").rstrip("/")
+        """The URL handed to nodes and used by the CLI: the public URL when set."""
+        url = self.public_url or self.service_url or f"http://{self.host}:{self.port}"
+        return url.rstrip("/")
 
     @property
     def token_path(self) -> Path:

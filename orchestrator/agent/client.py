@@ -4,7 +4,9 @@ Three outcomes, kept apart because the agent acts differently on each:
 
 * an answer (any HTTP status): :class:`Answer`, the caller reads ``status``;
 * the attempt is no longer current: HTTP 409 raises :class:`Superseded` — the agent
-  stops its ranks and exits, whatever it was doing;
+  stops its ranks and exits, whatever it was doing; a 409 that refuses the agent
+  itself (another version or protocol, header ``X-Skyresume-Refused``) raises its
+  subclass :class:`AgentRefused`, so whoever catches only ``Superseded`` still stops;
 * the service cannot be reached (refused, timeout, 5xx): :class:`Unreachable` — the
   agent keeps training and retries with :func:`backoff_delays`, because a service
   restart must never cost a training step.
@@ -28,6 +30,16 @@ class Unreachable(Exception):
 
 class Superseded(Exception):
     """HTTP 409: the service moved on from this attempt."""
+
+
+class AgentRefused(Superseded):
+    """HTTP 409 from register: the service will not work with this agent's version or
+    protocol (the message names both sides')."""
+
+
+#: The header (and value) the service sets on a 409 that refuses the agent itself.
+REFUSED_HEADER = "X-Skyresume-Refused"
+AGENT_VERSION_REFUSED = "agent-version"
 
 
 @dataclass(frozen=True)
@@ -92,6 +104,8 @@ class ServiceClient:
             except Exception:
                 raw = b""
             if e.code == 409:
+                if (e.headers.get(REFUSED_HEADER) or "") == AGENT_VERSION_REFUSED:
+                    raise AgentRefused(_detail(raw) or "the service refused this agent") from None
                 raise Superseded(_detail(raw) or "attempt superseded") from None
             if e.code >= 500:
                 raise Unreachable(f"{method} {path}: HTTP {e.code} {_detail(raw)}") from None

@@ -30,22 +30,25 @@ import logging
 import math
 import os
 import queue
+import shlex
 import signal
 import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from orchestrator import __version__
 from orchestrator.agent import evidence as ev
 from orchestrator.agent import health as hc
 from orchestrator.agent import ranks as rk
 from orchestrator.agent import stage as st
 from orchestrator.agent.client import (
+    AgentRefused,
     Answer,
     ServiceClient,
     Superseded,
@@ -53,7 +56,8 @@ from orchestrator.agent.client import (
     backoff_delays,
 )
 from orchestrator.agent.progress import ProgressBoard, ProgressListener, finite
-from orchestrator.contract import CommandType, Env, ExitCode, FaultKind, ReportKind
+from orchestrator.contract import AGENT_PROTOCOL, CommandType, Env, ExitCode, FaultKind, ReportKind
+from orchestrator.package import installed_build_id
 
 log = logging.getLogger("skyresume.agent")
 
@@ -76,6 +80,9 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 #: A pre-flight health check failed: torchrun was never started (sysexits EX_UNAVAILABLE).
 EXIT_HEALTH_CHECK_FAILED = 69
+#: The service refused this agent's version or protocol at register: nothing was (or
+#: stays) started (sysexits EX_SOFTWARE: the wrong software for this service).
+EXIT_AGENT_MISMATCH = 70
 #: The checkpoint to resume could not be staged onto the node: torchrun was never started.
 EXIT_STAGE_FAILED = int(ExitCode.CHECKPOINT_INVALID)
 
@@ -122,6 +129,11 @@ class AgentConfig:
     """All-reduce bus bandwidth across the nodes the job needs before training; 0: none."""
     allreduce_check_port: int | None = None
     """The check's TCP store port on the master node (default: master port + 1)."""
+    sky_task_id: str | None = None
+    """SkyPilot's task id (``SKYPILOT_TASK_ID``, with --from-env): logged, so the agent's
+    log can be matched with SkyPilot's."""
+    print_config: bool = False
+    """Print this configuration as JSON and exit (``--print-config``)."""
 
     @property
     def world_size(self) -> int:
@@ -138,8 +150,99 @@ def _positive(name: str, value: float) -> float:
     return value
 
 
-def parse_args(argv: list[str]) -> AgentConfig:
-    """Flags, then ``--``, then the command every rank runs."""
+class NodeEnv:
+    """What ``--from-env`` reads: SkyPilot's facts about the node, and the SKYRESUME_*
+    values the task templates declare (``Env`` has the SKYRESUME_RUN_* run context).
+    A flag given as well wins over its variable."""
+
+    NODE_RANK = "SKYPILOT_NODE_RANK"
+    #: One IP per line, node rank order: the first is the rendezvous master.
+    NODE_IPS = "SKYPILOT_NODE_IPS"
+    NUM_NODES = "SKYPILOT_NUM_NODES"
+    #: 0 or unset: CPU nodes, which run RANKS_PER_NODE ranks.
+    GPUS_PER_NODE = "SKYPILOT_NUM_GPUS_PER_NODE"
+    TASK_ID = "SKYPILOT_TASK_ID"
+    #: The user's command as one string, split with shlex (never by a shell).
+    COMMAND = "SKYRESUME_COMMAND"
+    RANKS_PER_NODE = "SKYRESUME_RANKS_PER_NODE"
+    MASTER_PORT = "SKYRESUME_MASTER_PORT"
+    PROVIDER = "SKYRESUME_PROVIDER"
+    METADATA_URL = "SKYRESUME_METADATA_URL"
+    GRACE_S = "SKYRESUME_GRACE_S"
+    HEARTBEAT_S = "SKYRESUME_HEARTBEAT_S"
+    POLL_S = "SKYRESUME_POLL_S"
+
+
+#: The token in run-context values that names this node's local disk directory.
+NODE_DISK_TOKEN = "{node_disk}"
+
+
+def substitute_node_disk(environ: Mapping[str, str], node_disk: Path) -> dict[str, str]:
+    """``environ`` with ``{node_disk}`` in every SKYRESUME_RUN_* value replaced by this
+    node's disk directory (the service names paths on a disk it has never seen, such
+    as the staged checkpoint ``{node_disk}/staged/step_300``). Other variables are
+    left alone: the user's own may hold braces."""
+    out = dict(environ)
+    for k, v in environ.items():
+        if k.startswith("SKYRESUME_RUN_") and NODE_DISK_TOKEN in v:
+            out[k] = v.replace(NODE_DISK_TOKEN, str(node_disk))
+    return out
+
+
+def split_command(text: str, *, source: str) -> list[str]:
+    """The rank command from one string, split as ``shlex.split`` does: quotes group,
+    nothing is expanded (no ``$VAR``, ``$(...)``, globs), nothing runs. Every launcher
+    hands the command over this way, so a command means the same everywhere."""
+    try:
+        words = shlex.split(text)
+    except ValueError as e:
+        raise UsageError(f"{source} is not a valid command line ({e}): {text!r}") from None
+    if not words:
+        raise UsageError(f"{source} is empty: give the command each rank runs")
+    return words
+
+
+def _from_env(
+    environ: Mapping[str, str], name: str, kind: Callable[[str], Any], *, empty_is_unset: bool
+) -> Any:
+    raw = environ.get(name)
+    if raw is None or (empty_is_unset and not raw.strip()):
+        return None
+    try:
+        return kind(raw.strip())
+    except ValueError:
+        raise UsageError(f"${name} must be {kind.__name__}, got {raw!r}") from None
+
+
+def _number(raw: str) -> float:
+    return float(raw)
+
+
+_number.__name__ = "a number"
+
+
+def _integer(raw: str) -> int:
+    return int(raw)
+
+
+_integer.__name__ = "an integer"
+
+
+def _text(raw: str) -> str:
+    return raw
+
+
+_text.__name__ = "text"
+
+
+def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> AgentConfig:
+    """Flags, then ``--``, then the command every rank runs (or ``--command STRING``).
+
+    With ``--from-env`` every unset flag comes from the environment SkyPilot and the
+    task template give the node (:class:`NodeEnv`, the SKYRESUME_RUN_* run context),
+    so a template's run section is one line and nothing about starting the agent is
+    written twice."""
+    env = os.environ if environ is None else environ
     if "--" in argv:
         i = argv.index("--")
         flags, command = argv[:i], argv[i + 1 :]
@@ -148,27 +251,42 @@ def parse_args(argv: list[str]) -> AgentConfig:
     p = argparse.ArgumentParser(
         prog="skyresume-agent",
         description="skyresume node agent: runs one node's ranks and talks to the service.",
-        epilog="Everything after -- is the command each rank runs. "
+        epilog="Everything after -- is the command each rank runs (or --command STRING, "
+        "split like shlex.split). "
         f"The service token comes from ${TOKEN_ENV}, never argv.",
     )
-    p.add_argument("--service-url", help="e.g. http://127.0.0.1:8470 (omit: no service)")
-    p.add_argument("--job-id", required=True)
-    p.add_argument("--attempt", type=int, required=True)
-    p.add_argument("--node-id", required=True)
-    p.add_argument("--node-rank", type=int, default=0)
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--nproc-per-node", type=int, default=1)
-    p.add_argument("--master-addr", default="127.0.0.1")
-    p.add_argument("--master-port", type=int, default=29500)
-    p.add_argument("--provider", default="none", choices=["aws", "gcp", "azure", "auto", "none"])
+    p.add_argument(
+        "--from-env",
+        action="store_true",
+        help="take unset flags from SkyPilot's SKYPILOT_* variables and the template's "
+        "SKYRESUME_* ones (the command from $SKYRESUME_COMMAND)",
+    )
+    p.add_argument("--command", help="the rank command as one string, split like shlex.split")
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved configuration as JSON and exit (nothing is started)",
+    )
+    p.add_argument("--service-url", help="e.g. http://10.0.0.5:8470 (omit: no service)")
+    p.add_argument("--job-id")
+    p.add_argument("--attempt", type=int)
+    p.add_argument("--node-id", help="default with --from-env: <job>-a<attempt>-n<node rank>")
+    p.add_argument("--node-rank", type=int)
+    p.add_argument("--nnodes", type=int)
+    p.add_argument("--nproc-per-node", type=int)
+    p.add_argument("--master-addr")
+    p.add_argument("--master-port", type=int)
+    p.add_argument("--provider", choices=["aws", "gcp", "azure", "auto", "none"])
     p.add_argument(
         "--metadata-url", help="base URL of the metadata endpoint (default: the real one)"
     )
-    p.add_argument("--local-dir", required=True, help="the node's local disk directory")
+    p.add_argument(
+        "--local-dir", help="the node's local disk directory (--from-env: ~/skyresume/node)"
+    )
     p.add_argument("--log-dir", help="rank and agent logs (default: <local-dir>/logs)")
-    p.add_argument("--grace-s", type=float, default=90.0, help="SIGTERM -> SIGKILL grace")
-    p.add_argument("--heartbeat-s", type=float, default=1.0)
-    p.add_argument("--poll-s", type=float, default=1.0, help="metadata poll interval")
+    p.add_argument("--grace-s", type=float, help="SIGTERM -> SIGKILL grace (default 90)")
+    p.add_argument("--heartbeat-s", type=float)
+    p.add_argument("--poll-s", type=float, help="metadata poll interval")
     p.add_argument("--launcher", default="torchrun", choices=["torchrun", "direct"])
     p.add_argument("--final-flush-s", type=float, default=FINAL_FLUSH_S)
     p.add_argument(
@@ -178,7 +296,6 @@ def parse_args(argv: list[str]) -> AgentConfig:
         help="on a notice: SIGTERM the ranks at once (default), or only report it and wait "
         "for the service's command (a baseline for bench/fanout.py)",
     )
-    env = os.environ
     p.add_argument(
         "--health-checks",
         choices=["on", "off"],
@@ -188,9 +305,8 @@ def parse_args(argv: list[str]) -> AgentConfig:
     p.add_argument(
         "--expect-gpus",
         type=int,
-        default=int(hc.env_float(dict(env), hc.EXPECT_GPUS_ENV, 0)),
         help="GPUs the placement declares per node; 0 = CPU ranks, no GPU check "
-        f"(env ${hc.EXPECT_GPUS_ENV})",
+        f"(env ${hc.EXPECT_GPUS_ENV}; --from-env: ${NodeEnv.GPUS_PER_NODE})",
     )
     p.add_argument(
         "--min-free-disk-gb",
@@ -214,73 +330,149 @@ def parse_args(argv: list[str]) -> AgentConfig:
     )
     p.add_argument("--allreduce-check-port", type=int, help="default: --master-port + 1")
     a = p.parse_args(flags)
+
+    def pick(flag: Any, name: str, kind: Callable[[str], Any], default: Any = None) -> Any:
+        """The flag if given, else (with --from-env) the variable, else the default."""
+        if flag is not None:
+            return flag
+        if a.from_env:
+            got = _from_env(env, name, kind, empty_is_unset=True)
+            if got is not None:
+                return got
+        return default
+
+    # --- the command: `-- argv`, --command, or $SKYRESUME_COMMAND -----------------
+    if command and a.command is not None:
+        raise UsageError("give the command either after -- or as --command, not both")
+    if a.command is not None:
+        command = split_command(a.command, source="--command")
+    elif not command and a.from_env and (env.get(NodeEnv.COMMAND) or "").strip():
+        command = split_command(env[NodeEnv.COMMAND], source=f"${NodeEnv.COMMAND}")
     if not command:
-        raise UsageError("no command: put the rank command after --, e.g. -- python train.py")
-    if a.attempt < 0:
-        raise UsageError(f"--attempt must be >= 0, got {a.attempt}")
-    if a.nnodes < 1:
-        raise UsageError(f"--nnodes must be >= 1, got {a.nnodes}")
-    if a.nproc_per_node < 1:
-        raise UsageError(f"--nproc-per-node must be >= 1, got {a.nproc_per_node}")
-    if not 0 <= a.node_rank < a.nnodes:
-        raise UsageError(f"--node-rank must be in 0..{a.nnodes - 1}, got {a.node_rank}")
-    if not 1 <= a.master_port <= 65535:
-        raise UsageError(f"--master-port must be in 1..65535, got {a.master_port}")
-    if a.expect_gpus < 0:
-        raise UsageError(f"--expect-gpus must be >= 0, got {a.expect_gpus}")
+        raise UsageError(
+            "no command: put the rank command after --, e.g. -- python train.py "
+            f"(or --command STRING, or ${NodeEnv.COMMAND} with --from-env)"
+        )
+
+    # --- who and where this node is ----------------------------------------------
+    job_id = pick(a.job_id, Env.JOB_ID, _text)
+    attempt = pick(a.attempt, Env.ATTEMPT, _integer)
+    node_rank = pick(a.node_rank, NodeEnv.NODE_RANK, _integer, 0)
+    nnodes = pick(a.nnodes, NodeEnv.NUM_NODES, _integer, 1)
+    gpus = _from_env(env, NodeEnv.GPUS_PER_NODE, _integer, empty_is_unset=True)
+    gpus = gpus if a.from_env else None
+    expect_gpus = a.expect_gpus
+    if expect_gpus is None:
+        expect_gpus = (
+            gpus if gpus is not None else int(hc.env_float(dict(env), hc.EXPECT_GPUS_ENV, 0))
+        )
+    nproc = a.nproc_per_node
+    if nproc is None:
+        # One rank per GPU; CPU nodes (no GPUs) run the job's ranks_per_node.
+        nproc = gpus if gpus else pick(None, NodeEnv.RANKS_PER_NODE, _integer, 1)
+    master_addr = a.master_addr
+    if master_addr is None and a.from_env:
+        ips = [ip.strip() for ip in (env.get(NodeEnv.NODE_IPS) or "").splitlines() if ip.strip()]
+        master_addr = ips[0] if ips else None
+    master_addr = master_addr or "127.0.0.1"
+    missing = [
+        f"--job-id (or ${Env.JOB_ID})" if job_id is None else "",
+        f"--attempt (or ${Env.ATTEMPT})" if attempt is None else "",
+    ]
+    if [m for m in missing if m]:
+        how = "" if a.from_env else " (or --from-env)"
+        raise UsageError(f"missing {', '.join(m for m in missing if m)}{how}")
+    node_id = a.node_id
+    if node_id is None:
+        if not a.from_env:
+            raise UsageError("missing --node-id (with --from-env: <job>-a<attempt>-n<rank>)")
+        node_id = f"{job_id}-a{attempt}-n{node_rank}"
+    local_dir = a.local_dir
+    if local_dir is None:
+        if not a.from_env:
+            raise UsageError("missing --local-dir (the node's local disk directory)")
+        local_dir = str(Path.home() / "skyresume" / "node")
+    log_dir = a.log_dir
+    if log_dir is None and a.local_dir is None and a.from_env:
+        log_dir = str(Path.home() / "skyresume" / "logs")
+    master_port = pick(a.master_port, NodeEnv.MASTER_PORT, _integer, 29500)
+    provider = pick(a.provider, NodeEnv.PROVIDER, _text, "none")
+    if provider not in ("aws", "gcp", "azure", "auto", "none"):
+        raise UsageError(
+            f"${NodeEnv.PROVIDER} must be one of aws, gcp, azure, auto, none; got {provider!r}"
+        )
+    metadata_url = pick(a.metadata_url, NodeEnv.METADATA_URL, _text)
+    service_url = pick(a.service_url, Env.SERVICE_URL, _text)
+    grace_s = pick(a.grace_s, NodeEnv.GRACE_S, _number, 90.0)
+    heartbeat_s = pick(a.heartbeat_s, NodeEnv.HEARTBEAT_S, _number, 1.0)
+    poll_s = pick(a.poll_s, NodeEnv.POLL_S, _number, 1.0)
+    task_id = (env.get(NodeEnv.TASK_ID) or None) if a.from_env else None
+
+    if attempt < 0:
+        raise UsageError(f"--attempt must be >= 0, got {attempt}")
+    if nnodes < 1:
+        raise UsageError(f"--nnodes must be >= 1, got {nnodes}")
+    if nproc < 1:
+        raise UsageError(f"--nproc-per-node must be >= 1, got {nproc}")
+    if not 0 <= node_rank < nnodes:
+        raise UsageError(f"--node-rank must be in 0..{nnodes - 1}, got {node_rank}")
+    if not 1 <= master_port <= 65535:
+        raise UsageError(f"--master-port must be in 1..65535, got {master_port}")
+    if expect_gpus < 0:
+        raise UsageError(f"--expect-gpus must be >= 0, got {expect_gpus}")
     if not (a.min_free_disk_gb >= 0 and math.isfinite(a.min_free_disk_gb)):
         raise UsageError(f"--min-free-disk-gb must be >= 0, got {a.min_free_disk_gb!r}")
     if not (a.min_allreduce_gbps >= 0 and math.isfinite(a.min_allreduce_gbps)):
         raise UsageError(f"--min-allreduce-gbps must be >= 0, got {a.min_allreduce_gbps!r}")
-    check_port = a.allreduce_check_port or a.master_port + 1
+    check_port = a.allreduce_check_port or master_port + 1
     if not 1 <= check_port <= 65535:
         raise UsageError(f"--allreduce-check-port must be in 1..65535, got {check_port}")
-    for name in (
-        "grace_s",
-        "heartbeat_s",
-        "poll_s",
-        "final_flush_s",
-        "max_clock_skew_s",
-        "store_timeout_s",
+    for flag_name, value in (
+        ("--grace-s", grace_s),
+        ("--heartbeat-s", heartbeat_s),
+        ("--poll-s", poll_s),
+        ("--final-flush-s", a.final_flush_s),
+        ("--max-clock-skew-s", a.max_clock_skew_s),
+        ("--store-timeout-s", a.store_timeout_s),
     ):
-        _positive("--" + name.replace("_", "-"), getattr(a, name))
-    if a.service_url is not None and not a.service_url.startswith(("http://", "https://")):
+        _positive(flag_name, value)
+    if service_url is not None and not service_url.startswith(("http://", "https://")):
+        raise UsageError(f"--service-url must start with http:// or https://, got {service_url!r}")
+    if metadata_url is not None and not metadata_url.startswith(("http://", "https://")):
         raise UsageError(
-            f"--service-url must start with http:// or https://, got {a.service_url!r}"
+            f"--metadata-url must start with http:// or https://, got {metadata_url!r}"
         )
-    if a.metadata_url is not None and not a.metadata_url.startswith(("http://", "https://")):
-        raise UsageError(
-            f"--metadata-url must start with http:// or https://, got {a.metadata_url!r}"
-        )
-    local = Path(a.local_dir).resolve()
+    local = Path(local_dir).expanduser().resolve()
     return AgentConfig(
-        job_id=a.job_id,
-        attempt=a.attempt,
-        node_id=a.node_id,
-        node_rank=a.node_rank,
-        nnodes=a.nnodes,
-        nproc_per_node=a.nproc_per_node,
+        job_id=job_id,
+        attempt=attempt,
+        node_id=node_id,
+        node_rank=node_rank,
+        nnodes=nnodes,
+        nproc_per_node=nproc,
         command=tuple(command),
-        service_url=a.service_url,
-        master_addr=a.master_addr,
-        master_port=a.master_port,
-        provider=a.provider,
-        metadata_url=a.metadata_url,
+        service_url=service_url,
+        master_addr=master_addr,
+        master_port=master_port,
+        provider=provider,
+        metadata_url=metadata_url,
         local_dir=local,
-        log_dir=Path(a.log_dir).resolve() if a.log_dir else local / "logs",
-        grace_s=a.grace_s,
-        heartbeat_s=a.heartbeat_s,
-        poll_s=a.poll_s,
+        log_dir=Path(log_dir).expanduser().resolve() if log_dir else local / "logs",
+        grace_s=grace_s,
+        heartbeat_s=heartbeat_s,
+        poll_s=poll_s,
         launcher=a.launcher,
         final_flush_s=a.final_flush_s,
         notice_action=a.notice_action,
         health_checks=a.health_checks == "on",
-        expect_gpus=a.expect_gpus,
+        expect_gpus=expect_gpus,
         min_free_disk_gb=a.min_free_disk_gb,
         max_clock_skew_s=a.max_clock_skew_s,
         store_timeout_s=a.store_timeout_s,
         min_allreduce_gbps=a.min_allreduce_gbps,
         allreduce_check_port=check_port,
+        sky_task_id=task_id,
+        print_config=a.print_config,
     )
 
 
@@ -559,7 +751,14 @@ class Agent:
             )
         return rows
 
+    #: The service's reason for refusing this agent (set by ``_register``; None: it did not).
+    refused: str | None = None
+
     def _register(self) -> bool:
+        """Register (again). :class:`AgentRefused` (this agent is the wrong version or
+        protocol for the service) is remembered in ``self.refused`` and raised on: as a
+        ``Superseded`` it stops the ranks wherever it is caught, and ``main`` exits
+        ``EXIT_AGENT_MISMATCH`` with the service's message."""
         assert self.client is not None
         body = {
             "node_rank": self.cfg.node_rank,
@@ -569,9 +768,17 @@ class Agent:
             "ranks": [
                 {"rank": r.rank, "local_rank": r.local_rank, "pid": r.pid} for r in self.ranks
             ],
+            "agent_version": __version__,
+            "agent_build": installed_build_id(),
+            "protocol": AGENT_PROTOCOL,
         }
         sent = time.time()
-        ans = self.client.register(body)
+        try:
+            ans = self.client.register(body)
+        except AgentRefused as e:
+            self.refused = str(e)
+            log.error("the service refused this agent: %s", e)
+            raise
         self.service_date = hc.ServiceDate(ans.date, sent, time.time())
         if ans.status == 404:
             self.on_superseded(f"the service does not know job {self.cfg.job_id}")
@@ -1192,21 +1399,53 @@ def main(argv: list[str] | None = None) -> None:
     except UsageError as e:
         print(f"skyresume-agent: error: {e}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
-    token = os.environ.get(TOKEN_ENV) or None
+    # Run-context values may name {node_disk}; the ranks (and staging) see real paths.
+    environ = substitute_node_disk(os.environ, cfg.local_dir)
+    if cfg.print_config:
+        doc = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
+        run_env = {k: v for k, v in sorted(environ.items()) if k.startswith("SKYRESUME_RUN_")}
+        print(json.dumps({"config": doc, "run_env": run_env}, indent=2))
+        sys.exit(EXIT_OK)
+    token = environ.get(TOKEN_ENV) or None
     if cfg.service_url and not token:
         print(
             f"skyresume-agent: error: {TOKEN_ENV} is not set (the service token)", file=sys.stderr
         )
         sys.exit(EXIT_USAGE)
     logging.basicConfig(
-        level=os.environ.get("SKYRESUME_AGENT_LOG_LEVEL", "INFO").upper(),
+        level=environ.get("SKYRESUME_AGENT_LOG_LEVEL", "INFO").upper(),
         format=f"%(asctime)s skyresume-agent[{cfg.node_id}] %(levelname)s %(message)s",
         stream=sys.stderr,
     )
-    agent = Agent(cfg, token=token, environ=dict(os.environ))
-    signal.signal(signal.SIGTERM, agent.handle_signal)
-    signal.signal(signal.SIGINT, agent.handle_signal)
-    sys.exit(agent.run())
+    log.info(
+        "skyresume %s (build %s, agent protocol %d)%s",
+        __version__,
+        installed_build_id(),
+        AGENT_PROTOCOL,
+        f", SkyPilot task {cfg.sky_task_id}" if cfg.sky_task_id else "",
+    )
+    agent = Agent(cfg, token=token, environ=environ)
+    if agent.client is not None:
+        # Register once before anything starts, so a service that refuses this agent
+        # (another version or protocol) stops it here, before any rank runs. A service
+        # not up yet, or an attempt already superseded, is the heartbeat thread's to
+        # retry or act on, as before.
+        try:
+            agent._register()
+        except AgentRefused:
+            pass
+        except (Unreachable, Superseded) as e:
+            log.warning("first register: %s (the heartbeat thread retries)", e)
+    if agent.refused is None:
+        signal.signal(signal.SIGTERM, agent.handle_signal)
+        signal.signal(signal.SIGINT, agent.handle_signal)
+        code = agent.run()
+    if agent.refused is not None:
+        # One line, the service's own words (both versions named), and a code of its
+        # own: a launcher or operator can tell "wrong agent" from "training failed".
+        print(f"skyresume-agent: error: {agent.refused}", file=sys.stderr)
+        sys.exit(EXIT_AGENT_MISMATCH)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,22 @@
-"""Agent -> service routes: register, heartbeat, commands (long-poll), reports.
+"""Agent -> service routes: register, heartbeat, commands (long-poll), reports, and
+the agent package nodes install (``/v1/agent/package``, ``/v1/agent/dist/<wheel>``).
 
 The protocol is written down in docs/agent.md. Auth is the operator token or the
 job's own token (``auth.job_token``), which opens only this job's routes.
+
+Register checks the agent: one whose protocol (``contract.AGENT_PROTOCOL``) or
+skyresume version differs from the service's gets 409 with both named, and the
+``X-Skyresume-Refused: agent-version`` header that tells it apart from a superseded
+attempt; the agent then exits instead of running half-working.
+
+The package routes need no token, on purpose: pip on a fresh node fetches the wheel
+with a plain URL, and a token in that URL would sit in SkyPilot's task envs and logs.
+They serve the service's own source code (no secret: the same code as the
+repository, and nothing from ``home`` but the built file), only the one file whose
+name matches the current build (the request's name is compared, never joined to a
+path), and a build happens at most once per source digest, so an anonymous caller
+can neither read other files nor make the service build again and again. Integrity
+comes from the hash: nodes get the URL with ``#sha256=``, which pip checks.
 
 The command long-poll is async. One shared watch reads the newest command every
 ~100 ms for all waiting requests; a waiter queries its own commands only when that
@@ -25,13 +40,16 @@ import anyio
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response, status
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import FileResponse, JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from orchestrator import __version__
+from orchestrator import package as agent_package
 from orchestrator.api.auth import job_token, token_matches
+from orchestrator.contract import AGENT_PROTOCOL
 from orchestrator.store import agents
 from orchestrator.store.models import NodeCommand
 from orchestrator.store.repo import NotFound
@@ -101,12 +119,16 @@ class _AgentRoute(APIRoute):
         return route
 
 
-router = APIRouter(
+_node_router = APIRouter(
     prefix="/v1/jobs/{job_id}/attempts/{attempt}/nodes/{node_id}",
     tags=["agents"],
     dependencies=[Depends(require_job_access)],
     route_class=_AgentRoute,
 )
+#: No token (see the module docstring): what pip on a new node fetches.
+_package_router = APIRouter(prefix="/v1/agent", tags=["agents"])
+#: The agents' side of the API: the node routes and the package routes.
+router = APIRouter()
 
 AttemptPath = Annotated[int, Path(ge=0, description="attempt number")]
 NodePath = Annotated[
@@ -130,12 +152,49 @@ class RegisterIn(_Body):
     agent_pid: int | None = Field(default=None, ge=1)
     provider: str | None = Field(default=None, max_length=16)
     ranks: list[RankInfo] = Field(default_factory=list, max_length=4096)
+    agent_version: str | None = Field(default=None, max_length=64)
+    """The agent's ``orchestrator.__version__``; None (an agent older than the check)
+    is refused like any other mismatch."""
+    agent_build: str | None = Field(default=None, max_length=128)
+    """The wheel's source digest, or ``source`` from a checkout (logged, not compared:
+    two builds of one version speak the same protocol)."""
+    protocol: int | None = Field(default=None, ge=0)
+    """``contract.AGENT_PROTOCOL`` as the agent knows it."""
 
 
 class RegisterOut(BaseModel):
     heartbeat_s: float
     command_cursor: int
     """Long-poll commands after this id (what this node already acknowledged)."""
+    service_version: str = __version__
+    protocol: int = AGENT_PROTOCOL
+
+
+#: Set on a 409 that refuses the agent itself (not a superseded attempt).
+REFUSED_HEADER = "X-Skyresume-Refused"
+AGENT_VERSION_REFUSED = "agent-version"
+
+
+def agent_mismatch(agent_version: str | None, protocol: int | None) -> str | None:
+    """Why the service refuses this agent (None: it does not).
+
+    What matters: the protocol number (the bodies and their meaning) and the
+    skyresume version (the agent and the training library on the node come from the
+    same package, and a version is the unit anyone can name and install). The build
+    id is not compared: rebuilding the same version changes it without changing the
+    protocol, and a checkout's agent (``source``) is fine against its own service."""
+    if agent_version == __version__ and protocol == AGENT_PROTOCOL:
+        return None
+    theirs = (
+        f"skyresume {agent_version} (agent protocol {protocol})"
+        if agent_version is not None or protocol is not None
+        else "an unversioned skyresume (older than the agent protocol check)"
+    )
+    return (
+        f"agent version mismatch: this node runs {theirs}, the service runs skyresume "
+        f"{__version__} (agent protocol {AGENT_PROTOCOL}); install the service's own agent "
+        "package on the node (GET /v1/agent/package says where)"
+    )
 
 
 # Non-finite floats are refused: PostgreSQL's JSON type cannot store NaN, and an
@@ -337,11 +396,18 @@ def _translate(e: Exception) -> HTTPException:
     return HTTPException(422, str(e))
 
 
-@router.post("/register", response_model=RegisterOut)
+@_node_router.post("/register", response_model=RegisterOut)
 def register(
     request: Request, job_id: str, attempt: AttemptPath, node_id: NodePath, body: RegisterIn
 ) -> RegisterOut:
-    """An agent announces its node (again after a restart). 409: not the current attempt."""
+    """An agent announces its node (again after a restart). 409: not the current
+    attempt, or an agent of another version or protocol (header ``X-Skyresume-Refused``)."""
+    refused = agent_mismatch(body.agent_version, body.protocol)
+    if refused is not None:
+        log.warning("refused the agent of node %s (job %s): %s", node_id, job_id, refused)
+        raise HTTPException(
+            status.HTTP_409_CONFLICT, refused, headers={REFUSED_HEADER: AGENT_VERSION_REFUSED}
+        )
     try:
         with _transaction(request) as session:
             reg = agents.register_node(
@@ -361,7 +427,7 @@ def register(
     return RegisterOut(heartbeat_s=HEARTBEAT_S, command_cursor=cursor)
 
 
-@router.post("/heartbeat")
+@_node_router.post("/heartbeat")
 def heartbeat(
     request: Request, job_id: str, attempt: AttemptPath, node_id: NodePath, body: HeartbeatIn
 ) -> dict[str, Any]:
@@ -463,7 +529,7 @@ def _command_watch(request: Request) -> _CommandWatch:
     return held[1]
 
 
-@router.get("/commands", response_model=CommandsOut)
+@_node_router.get("/commands", response_model=CommandsOut)
 async def commands(
     request: Request,
     job_id: str,
@@ -497,7 +563,7 @@ async def commands(
         await watch.wait_change(min(RECHECK_S, deadline - now))
 
 
-@router.post("/reports", response_model=ReportOut)
+@_node_router.post("/reports", response_model=ReportOut)
 def report(
     request: Request, job_id: str, attempt: AttemptPath, node_id: NodePath, body: Report
 ) -> ReportOut:
@@ -511,3 +577,68 @@ def report(
     except (NotFound, agents.NotCurrent, ValueError) as e:
         raise _translate(e) from None
     return out
+
+
+# --- the agent package (no token: see the module docstring) -------------------------
+
+
+class PackageOut(BaseModel):
+    name: str = "skyresume"
+    version: str
+    wheel: str
+    """The wheel's file name."""
+    sha256: str
+    build: str
+    """The source digest the wheel was built from (its agents register with it)."""
+    url: str
+    """Where to download it: ``<public URL>/v1/agent/dist/<wheel>``."""
+    pip_spec: str
+    """``url#sha256=...``: what the task templates install (pip checks the hash)."""
+
+
+def _wheels(request: Request) -> agent_package.WheelCache:
+    cache = getattr(request.app.state, "agent_wheels", None)
+    if cache is None:
+        cache = agent_package.WheelCache(request.app.state.settings.home)
+        request.app.state.agent_wheels = cache
+    return cache
+
+
+def _current_wheel(request: Request) -> agent_package.AgentWheel:
+    try:
+        return _wheels(request).wheel()
+    except agent_package.PackageUnavailable as e:
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(e)) from None
+
+
+@_package_router.get("/package", response_model=PackageOut)
+def package_info(request: Request) -> PackageOut:
+    """The agent package this service serves (built from its own source on first use).
+    503 when there is no source tree to build it from (the detail says what to do)."""
+    wheel = _current_wheel(request)
+    base = request.app.state.settings.effective_service_url
+    return PackageOut(
+        version=wheel.version,
+        wheel=wheel.filename,
+        sha256=wheel.sha256,
+        build=wheel.build,
+        url=wheel.url(base),
+        pip_spec=wheel.pip_spec(base),
+    )
+
+
+@_package_router.get("/dist/{filename}", response_class=FileResponse)
+def package_file(request: Request, filename: str) -> FileResponse:
+    """The wheel's bytes. Any other name is 404 naming the one file served here."""
+    wheel = _current_wheel(request)
+    if filename != wheel.filename:  # compared, never joined to a path: no traversal
+        raise HTTPException(
+            status.HTTP_404_NOT_FOUND,
+            f"no such file {filename!r}: this service serves {wheel.filename}",
+        )
+    # A wheel is a zip archive; pip names the file from the URL, whatever the type.
+    return FileResponse(wheel.path, media_type="application/zip", filename=wheel.filename)
+
+
+router.include_router(_node_router)
+router.include_router(_package_router)

@@ -9,7 +9,9 @@ import pytest
 from conftest import add_attempt, set_attempt_state
 from testkit import job_spec
 
+from orchestrator import __version__
 from orchestrator.api.auth import job_token
+from orchestrator.contract import AGENT_PROTOCOL
 from orchestrator.store import agents
 from orchestrator.store.models import Checkpoint
 
@@ -27,8 +29,19 @@ def base(job_id: str, attempt: int = 1, node: str = "n0") -> str:
     return f"/v1/jobs/{job_id}/attempts/{attempt}/nodes/{node}"
 
 
+#: What a current agent sends about itself (a body without it is refused: 409).
+AGENT = {"agent_version": __version__, "agent_build": "source", "protocol": AGENT_PROTOCOL}
+
+
 def register(client, job_id: str, attempt: int = 1, node: str = "n0", **kw: Any):
-    body = {"node_rank": 0, "hostname": "h", "agent_pid": 42, "provider": "aws", "ranks": []}
+    body = {
+        "node_rank": 0,
+        "hostname": "h",
+        "agent_pid": 42,
+        "provider": "aws",
+        "ranks": [],
+        **AGENT,
+    }
     return client.post(base(job_id, attempt, node) + "/register", json={**body, **kw})
 
 
@@ -44,7 +57,12 @@ def enqueue(client, job_id: str, type_: str, args: dict, attempt: int = 1, node_
 def test_register_then_heartbeat_stores_the_node_and_its_ranks(client, job):
     r = register(client, job, ranks=[{"rank": 0, "local_rank": 0, "pid": 11}])
     assert r.status_code == 200, r.text
-    assert r.json() == {"heartbeat_s": 1.0, "command_cursor": 0}
+    assert r.json() == {
+        "heartbeat_s": 1.0,
+        "command_cursor": 0,
+        "service_version": __version__,
+        "protocol": AGENT_PROTOCOL,
+    }
     hb = {
         "state": "running",
         "ranks": [rank_row(0, step=7, loss=2.5, resumed={"step": 5, "manifest_digest": "ab"})],
@@ -98,7 +116,7 @@ def test_job_token_opens_its_own_job_only(client, job):
     add_attempt(client.app.state.sessionmaker, other, 1)
     tok = job_token(client.app.state.token, job)
     h = {"Authorization": f"Bearer {tok}"}
-    body = {"node_rank": 0, "ranks": []}
+    body = {"node_rank": 0, "ranks": [], **AGENT}
     assert client.post(base(job) + "/register", json=body, headers=h).status_code == 200
     assert client.post(base(other) + "/register", json=body, headers=h).status_code == 401
     assert client.get("/v1/jobs", headers=h).status_code == 401  # not an operator token
