@@ -102,6 +102,9 @@ class ChaosIn(BaseModel):
         "xid",
         "transport",
         "user-error",
+        "partition",
+        "slow-link",
+        "heal",
     ]
     node: int = Field(ge=0, description="node rank within the current attempt")
     rank: int | None = Field(default=None, ge=0, description="global rank (hang/slow)")
@@ -110,8 +113,15 @@ class ChaosIn(BaseModel):
     """preempt: how far ahead the notice announces the termination."""
     duty: float = Field(default=0.5, gt=0, lt=1)
     """slow-rank: the fraction of time the rank is stopped."""
-    seconds: float = Field(default=60.0, gt=0, le=3600)
-    """slow-rank: for how long."""
+    seconds: float | None = Field(default=None, gt=0, le=3600)
+    """slow-rank: for how long (default 60 s); partition, slow-link: heal by itself
+    after this long (default: until ``heal``)."""
+    rate: str | None = Field(default=None, max_length=32)
+    """slow-link: the link's rate in tc syntax (``20mbit``); ``0`` lifts the limit."""
+
+
+#: Chaos on a node's network link (the local launcher's namespaces, never loopback).
+_LINK_ACTIONS = frozenset({"partition", "slow-link", "heal"})
 
 
 #: Chaos the ranks inject into themselves (through the agent), by action name.
@@ -143,6 +153,9 @@ def chaos(job_id: str, body: ChaosIn, request: Request, session: SessionDep) -> 
     if a is None or not a.handle or a.state == AttemptState.ENDED:
         raise HTTPException(409, f"job {job_id} has no running attempt")
     node_ids = list(a.handle.get("node_ids", []))
+    if body.action in _LINK_ACTIONS:
+        assert launcher is not None
+        return _link_chaos(job_id, body, launcher, node_ids, a.number)
     if body.node >= len(node_ids):
         raise HTTPException(
             422, f"node {body.node} does not exist: attempt {a.number} has {len(node_ids)} nodes"
@@ -177,10 +190,51 @@ def chaos(job_id: str, body: ChaosIn, request: Request, session: SessionDep) -> 
         if body.action == "hang-rank":
             launcher.signal_pid(job_id, node_id, pid, signal.SIGSTOP)
         else:
-            launcher.slow_pid(job_id, node_id, pid, duty=body.duty, seconds=body.seconds)
+            seconds = body.seconds if body.seconds is not None else 60.0
+            launcher.slow_pid(job_id, node_id, pid, duty=body.duty, seconds=seconds)
         return {"action": body.action, "node_id": node_id, "pid": pid, "at": at}
     except (LaunchError, ValueError) as e:
         raise HTTPException(409, str(e)) from None
+
+
+def _link_chaos(
+    job_id: str, body: ChaosIn, launcher: ChaosLauncher, node_ids: list[str], attempt: int
+) -> dict[str, Any]:
+    """partition / slow-link / heal: the kernel acts on the node's own link."""
+    refusal = launcher.link_chaos_refusal()
+    if refusal is not None:
+        raise HTTPException(409, f"{body.action} refused: {refusal}")
+    if body.node >= len(node_ids):
+        raise HTTPException(
+            404, f"no node {body.node} in job {job_id}: attempt {attempt} has {len(node_ids)} nodes"
+        )
+    node_id = node_ids[body.node]
+    rate = (body.rate or "").strip()
+    if body.action == "slow-link":
+        if not rate:
+            raise HTTPException(422, "slow-link needs a rate (tc syntax, e.g. 20mbit; 0 lifts it)")
+        if rate != "0":
+            from orchestrator.launchers.netns import parse_rate
+
+            try:
+                parse_rate(rate)
+            except ValueError as e:
+                raise HTTPException(422, str(e)) from None
+    elif body.rate is not None:
+        raise HTTPException(422, f"rate is for slow-link, not {body.action}")
+    at = datetime.now().astimezone().isoformat()
+    try:
+        if body.action == "partition":
+            done = launcher.partition_node(job_id, node_id, seconds=body.seconds)
+        elif body.action == "slow-link":
+            done = launcher.slow_link(job_id, node_id, rate, seconds=body.seconds)
+        else:
+            done = launcher.heal_node(job_id, node_id)
+    except ValueError as e:  # a rate tc refused after all
+        raise HTTPException(422, str(e)) from None
+    except LaunchError as e:  # e.g. the node's host was released meanwhile
+        raise HTTPException(409, str(e)) from None
+    return {"action": body.action, **done, "at": at}
 
 
 @router.get("/placement-history")

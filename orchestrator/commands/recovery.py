@@ -2,8 +2,9 @@
 
 ``chaos`` injects real failures into a job on the local launcher through the service
 (the launcher lives there): a preemption notice on a node's metadata endpoint, a
-whole node killed, an agent killed alone, a rank frozen or slowed, a region out of
-capacity; and, through the agents on any launcher, faults a rank injects into itself
+whole node killed, an agent killed alone, a rank frozen or slowed, a node's link
+cut or slowed by the kernel (nodes in network namespaces), a region out of capacity;
+and, through the agents on any launcher, faults a rank injects into itself
 (NaN, loss spike, OOM, Xid, transport error, user error).
 """
 
@@ -110,6 +111,43 @@ _fault("oom", "Make a rank raise torch.OutOfMemoryError (CUDA's message) at its 
 _fault("xid", "Make a rank write a real Xid line to its log and die as on a lost GPU.")
 _fault("transport", "Make a rank's collective fail with a real transport error.")
 _fault("user-error", "Make a rank raise KeyError from its own frame (a user bug).")
+
+
+HealAfterOpt = Annotated[
+    float | None,
+    typer.Option("--seconds", min=0.1, help="heal by itself after this long (default: never)"),
+]
+
+
+@chaos_app.command("partition")
+def chaos_partition(job: JobArg, node: NodeOpt, seconds: HealAfterOpt = None) -> None:
+    """Take the node's link down for real: its processes live on and reach nobody.
+
+    Needs the local launcher with nodes in network namespaces (root)."""
+    body: dict[str, Any] = {"action": "partition", "node": node}
+    if seconds is not None:
+        body["seconds"] = seconds
+    _chaos(job, body)
+
+
+@chaos_app.command("slow-link")
+def chaos_slow_link(
+    job: JobArg,
+    node: NodeOpt,
+    rate: Annotated[str, typer.Option(help="tc rate, e.g. 20mbit or 2mbps; 0 lifts it")],
+    seconds: HealAfterOpt = None,
+) -> None:
+    """Limit the node's link both ways with tc (a token bucket): a real slow link."""
+    body: dict[str, Any] = {"action": "slow-link", "node": node, "rate": rate}
+    if seconds is not None:
+        body["seconds"] = seconds
+    _chaos(job, body)
+
+
+@chaos_app.command("heal")
+def chaos_heal(job: JobArg, node: NodeOpt) -> None:
+    """Undo partition and slow-link on the node's link."""
+    _chaos(job, {"action": "heal", "node": node})
 
 
 @chaos_app.command("stockout")

@@ -117,6 +117,11 @@ class LauncherAbilities:
     """It can start a new attempt on the nodes of the last one (no re-provisioning)."""
     chaos: bool = False
     """It can preempt, kill and slow its nodes on request (``skyresume chaos``)."""
+    keeps_survivors: bool = False
+    """A relaunch can keep the healthy nodes of the last attempt and add only the
+    replacements (another launch) beside them, one group across both."""
+    releases_single_nodes: bool = False
+    """It can give back one node of a launch (SkyPilot cannot: a cluster goes whole)."""
 
 
 @dataclass(frozen=True)
@@ -385,6 +390,10 @@ class RecordAttempt:
     stage_from: str | None = None
     """The confirmed step directory (``s3://``, ``gs://``, ``file://``) each node stages
     onto its own disk before its ranks start; ``resume_from`` then names the staged copy."""
+    keep: tuple[str, ...] = ()
+    """Nodes of the failed attempt that stay (healthy): they take node ranks 0..k-1 and
+    restart in place; only the rest is launched, beside them."""
+    keep_hosts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -475,6 +484,9 @@ class Release:
     attempt: int
     reason: str
     keep_nodes: bool = False
+    release_nodes: tuple[str, ...] = ()
+    """With ``keep_nodes``: these nodes of the attempt are given back all the same (the
+    lost ones, when the healthy ones stay for the relaunch)."""
 
 
 @dataclass(frozen=True)
@@ -832,6 +844,37 @@ def _in_place(s: JobSnapshot, inc: IncidentView) -> bool:
     return rm.remedy_for(inc.failure_class) in SAME_HARDWARE and s.abilities.restarts_in_place
 
 
+#: Remedies that replace one node: the others did nothing wrong.
+REPLACES_A_NODE = frozenset({_A.REPLACE_NODE_BLOCK_REGION, _A.DRAIN_NODE})
+#: Classes whose node is gone already (nothing of it to give back).
+NODE_GONE = frozenset({_F.PREEMPTION_NOTICE, _F.NODE_LOST, _F.EXTERNAL_TERMINATION})
+#: Failures that take their own node out of the group.
+NODE_FAULTS = NODE_GONE | rm.BLAMES_HOST
+
+
+def survivors(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> tuple[str, ...]:
+    """The failed attempt's nodes that stay for the relaunch, in node-rank order: every
+    node but the ones the incident's failures took out, when the remedy replaces one
+    node and the launcher can put a replacement beside survivors. Empty: relaunch all.
+
+    A node the launcher can not give back alone (SkyPilot) is kept only when it is
+    gone anyway (a preemption), never when it still runs and bills (a slow node)."""
+    if (
+        rm.remedy_for(inc.failure_class) not in REPLACES_A_NODE
+        or inc.node_id is None
+        or not s.abilities.keeps_survivors
+        or (inc.failure_class not in NODE_GONE and not s.abilities.releases_single_nodes)
+    ):
+        return ()
+    lost = {inc.node_id, *a.vanished}
+    lost.update(f.node_id for f in s.failures if f.failure_class in NODE_FAULTS and f.node_id)
+    lost.update(n.node_id for n in a.nodes if n.alive is False and not n.exited)
+    kept = tuple(
+        n.node_id for n in sorted(a.nodes, key=lambda n: n.node_rank) if n.node_id not in lost
+    )
+    return kept if 0 < len(kept) < a.num_nodes else ()
+
+
 def _confirm(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
     i, step = inc.event_id, _P.CONFIRM_CHECKPOINT
     listing = s.listing
@@ -860,7 +903,8 @@ def _confirm(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
             f"step_{choice.step} complete on all ranks (manifest + COMMIT): {choice.reason}; "
             f"last step seen {last}; {lost}"
         )
-    keep = _in_place(s, inc)
+    kept = survivors(s, a, inc)
+    lost = tuple(n.node_id for n in a.nodes if n.node_id not in kept) if kept else ()
     return [
         FinishStep(
             i,
@@ -869,8 +913,14 @@ def _confirm(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
             text,
             {"step": choice.step, "uri": uri, **({"poisoned": poisoned} if poisoned else {})},
         ),
-        # Only now, with the checkpoint confirmed, are the old nodes released.
-        Release(a.number, f"incident {i}", keep_nodes=keep),
+        # Only now, with the checkpoint confirmed, are the old nodes released (all of
+        # them, or the lost ones when the healthy ones stay for the relaunch).
+        Release(
+            a.number,
+            f"incident {i}",
+            keep_nodes=_in_place(s, inc) or bool(kept),
+            release_nodes=lost,
+        ),
     ]
 
 
@@ -911,10 +961,21 @@ def _select(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
     if inc.failure_class in rm.BLAMES_HOST and inc.host:
         exclude_hosts.add(inc.host)
         notes.append(f"host {inc.host} excluded for good ({inc.failure_class})")
+    kept = survivors(s, a, inc) if not in_place and failed is not None else ()
     if in_place:
         assert failed is not None
         placement = rm.same_placement(failed, knobs)
         where = f"restart in place on the same {failed.num_nodes} nodes"
+    elif kept:
+        assert failed is not None
+        # The replacement joins the survivors: one group, so the same network (cloud,
+        # region, instance type); a host blamed for the fault is excluded above.
+        placement = rm.same_placement(failed, knobs)
+        where = (
+            f"keep the {len(kept)} healthy node{'s' if len(kept) > 1 else ''} "
+            f"({', '.join(kept)}); replace {failed.num_nodes - len(kept)} beside them in "
+            f"{failed.cloud}/{failed.region}"
+        )
     elif action in SAME_HARDWARE and failed is not None:
         placement = rm.same_placement(failed, knobs)
         where = f"same placement ({failed.cloud}/{failed.region}), new nodes"
@@ -946,13 +1007,13 @@ def _select(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
         "placement": placement.to_dict(),
         "in_place": in_place,
         "exclude_hosts": sorted(exclude_hosts),
+        "keep": list(kept),
+        "keep_hosts": [a.host_of(n) or "" for n in kept],
     }
     return [FinishStep(i, step, StepOutcome.OK, text, result)]
 
 
-def _stage(
-    s: JobSnapshot, a: AttemptView, inc: IncidentView, cfg: ReconcileConfig
-) -> list[Action]:
+def _stage(s: JobSnapshot, a: AttemptView, inc: IncidentView, cfg: ReconcileConfig) -> list[Action]:
     """The new nodes stage the confirmed checkpoint themselves, before torchrun
     starts (the same code on every launcher): the step ends when every node said."""
     i, step = inc.event_id, _P.STAGE
@@ -975,7 +1036,9 @@ def _stage(
         slowest = max(r.seconds for r in reports.values())
         return [
             FinishStep(
-                i, step, StepOutcome.OK,
+                i,
+                step,
+                StepOutcome.OK,
                 f"step_{want} staged and verified (sha256) by each of {len(reports)} nodes "
                 f"from {confirmed.get('uri')}: {total} bytes copied, slowest node "
                 f"{slowest:.2f} s",
@@ -1030,7 +1093,9 @@ def _record_relaunch(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[
                 max(times) if times else None, s.blocking_save_s
             ),
             stage_from=stage_from,
-        )
+            keep=tuple(selected.get("keep") or ()),
+            keep_hosts=tuple(selected.get("keep_hosts") or ()),
+        ),
     ]
 
 
@@ -1111,7 +1176,9 @@ def _provisioning(s: JobSnapshot, a: AttemptView, incident_id: int | None) -> li
             waited = _age(s.now, a.requested_at)
             done.append(
                 FinishStep(
-                    incident_id, _P.LAUNCH, StepOutcome.OK,
+                    incident_id,
+                    _P.LAUNCH,
+                    StepOutcome.OK,
                     f"attempt {a.number}: {a.num_nodes} nodes x {a.ranks_per_node} ranks up "
                     f"in {waited:.1f} s"
                     + (f" ({a.placement.region})" if a.placement is not None else ""),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from orchestrator.domain.plan import Placement
 from orchestrator.domain.planner import Candidate
@@ -45,6 +45,9 @@ class LaunchRequest:
     task: TaskSpec | None = None
     """The job's task (template or the user's SkyPilot YAML), for launchers that build
     a provider task from it; the local launcher runs ``command`` directly."""
+    node_rank_base: int = 0
+    """The first node rank of this launch in the group (``Env.NODE_RANK_BASE``): a
+    launch of replacements beside kept nodes starts after them. Node ids follow."""
     exclude_hosts: tuple[str, ...] = ()
     """Hosts never to place a node on (a hardware fault or a slow node was blamed on
     them). A cloud gives a fresh VM on every launch; a launcher that picks hosts
@@ -140,3 +143,25 @@ class ChaosLauncher(Launcher, Protocol):
         self, job_id: str, node_id: str, pid: int, *, duty: float, seconds: float
     ) -> None: ...
     def stockout(self, region: str, *, seconds: float) -> None: ...
+    def link_chaos_refusal(self) -> str | None:
+        """None when :meth:`partition_node` and :meth:`slow_link` act on a real link of
+        each node's own; else why not (nodes that share one network stack)."""
+        ...
+
+    def partition_node(
+        self, job_id: str, node_id: str, *, seconds: float | None = None
+    ) -> dict[str, Any]:
+        """Take the node's link down (its processes live on); heal after ``seconds``
+        when given. What was done: node_id, host, link, partitioned, rate, heals_in_s."""
+        ...
+
+    def slow_link(
+        self, job_id: str, node_id: str, rate: str, *, seconds: float | None = None
+    ) -> dict[str, Any]:
+        """Limit the node's link to ``rate`` (tc syntax; ``"0"`` lifts it), for
+        ``seconds`` when given. ValueError for a rate that is not one."""
+        ...
+
+    def heal_node(self, job_id: str, node_id: str) -> dict[str, Any]:
+        """Undo :meth:`partition_node` and :meth:`slow_link` on the node's link."""
+        ...

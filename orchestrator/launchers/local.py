@@ -172,6 +172,14 @@ class LocalLauncher:
         if network not in ("netns", "loopback"):
             raise ValueError(f"network must be netns or loopback, got {network!r}")
         self.network = network
+        # Nodes of two launches form one group only where each node is a host with
+        # an address of its own (on shared loopback, ports would collide).
+        self.abilities = LauncherAbilities(
+            restarts_in_place=True,
+            chaos=True,
+            keeps_survivors=network == "netns",
+            releases_single_nodes=network == "netns",
+        )
         self.provision_delay_s = provision_delay_s
         self.package = package
         """What each node's setup installs the agent from (the service's wheel URL);
@@ -361,9 +369,10 @@ class LocalLauncher:
 
     def _start(self, request: LaunchRequest, previous: LaunchHandle | None) -> LaunchHandle:
         job, attempt = request.job_id, request.attempt
-        nodes = request.placement.num_nodes
-        cluster = f"{job}-a{attempt}"
-        node_ids = tuple(node_id_for(job, attempt, k) for k in range(nodes))
+        nodes, base = request.placement.num_nodes, request.node_rank_base
+        # A launch beside kept nodes is a cluster of its own, its nodes ranked after them.
+        cluster = f"{job}-a{attempt}" + (f"-b{base}" if base else "")
+        node_ids = tuple(node_id_for(job, attempt, base + k) for k in range(nodes))
         meta = self.root / job / f"{cluster}.json"
         if meta.exists():
             # Idempotent: a service that restarted mid-launch must not start twins.
@@ -573,3 +582,114 @@ class LocalLauncher:
                     os.kill(pid, signal.SIGCONT)
 
         threading.Thread(target=cycle, name=f"slow-{pid}", daemon=True).start()
+
+    # --- chaos on the network (netns only): the kernel cuts or slows the node's link ------
+
+    def link_chaos_refusal(self) -> str | None:
+        """None when partition and slow-link are real here; else why they are not."""
+        if self.network != "netns":
+            return (
+                "partition and slow-link need each node in a network namespace of its own "
+                "(root and network namespaces: the local launcher with network=netns); this "
+                "service runs its nodes on shared loopback, where cutting one node's link "
+                "would cut every node's"
+            )
+        return None
+
+    def _link_host(self, job_id: str, node_id: str) -> tuple[Any, str]:
+        """(fabric, host name) of a node, from its cluster's meta file (node order)."""
+        refusal = self.link_chaos_refusal()
+        if refusal is not None:
+            raise LaunchError(refusal)
+        cluster, sep, _ = node_id.rpartition("-n")
+        meta = read_json(self.root / job_id / f"{cluster}.json") if sep else {}
+        nodes, hosts = list(meta.get("node_ids") or ()), list(meta.get("hosts") or ())
+        if node_id not in nodes or len(hosts) != len(nodes):
+            raise LaunchError(f"no local node {node_id} for job {job_id}")
+        host = hosts[nodes.index(node_id)]
+        fabric = self.fabric
+        try:
+            fabric.host(host)
+        except KeyError:
+            raise LaunchError(f"node {node_id}'s host {host} is gone (released)") from None
+        return fabric, host
+
+    def _link_report(self, fabric: Any, node_id: str, host: str) -> dict[str, Any]:
+        h = fabric.host(host)
+        shaped = self._tbf_rate(h.veth)
+        return {
+            "node_id": node_id,
+            "host": host,
+            "link": h.veth,
+            "ip": h.ip,
+            "partitioned": fabric.is_partitioned(host),
+            "rate": shaped,
+        }
+
+    @staticmethod
+    def _tbf_rate(dev: str) -> str | None:
+        """The tbf rate on ``dev``'s root as tc prints it (``20Mbit``); None: unshaped."""
+        p = subprocess.run(
+            ["tc", "qdisc", "show", "dev", dev, "root"], capture_output=True, text=True, timeout=10
+        )
+        words = p.stdout.split()
+        return words[words.index("rate") + 1] if "tbf" in words and "rate" in words else None
+
+    def _arm_link_timer(self, host: str, seconds: float | None, undo: Callable[[], None]) -> None:
+        """Undo a link fault after ``seconds`` (a timer in the service's process; lost
+        on a service restart: the fault then stays until ``chaos heal``). A newer fault
+        or a heal on the same host cancels the older timer: it must never undo them."""
+        # Created here, not in __init__: the chaos section owns its own state.
+        timers: dict[str, threading.Timer] = self.__dict__.setdefault("_link_timers", {})
+        with self._lock:
+            old = timers.pop(host, None)
+            if old is not None:
+                old.cancel()
+            if seconds is None:
+                return
+
+            def fire() -> None:
+                with self._lock:
+                    if timers.get(host) is not timer:
+                        return  # superseded meanwhile
+                    del timers[host]
+                with contextlib.suppress(Exception):  # the host may be released by now
+                    undo()
+
+            timer = threading.Timer(seconds, fire)
+            timer.daemon = True
+            timer.name = f"heal-{host}"
+            timers[host] = timer
+            timer.start()
+
+    def partition_node(
+        self, job_id: str, node_id: str, *, seconds: float | None = None
+    ) -> dict[str, Any]:
+        """Take the node's link down: its processes live on and reach nobody (not the
+        service, not its peers, not its metadata). ``seconds``: heal after that long."""
+        fabric, host = self._link_host(job_id, node_id)
+        fabric.partition(host)
+        self._arm_link_timer(host, seconds, lambda: fabric.heal(host))
+        return {**self._link_report(fabric, node_id, host), "heals_in_s": seconds}
+
+    def slow_link(
+        self, job_id: str, node_id: str, rate: str, *, seconds: float | None = None
+    ) -> dict[str, Any]:
+        """Limit the node's link to ``rate`` both ways (tc tbf); ``"0"`` lifts it.
+        ``seconds``: lift it after that long. ValueError for a rate tc would not read."""
+        fabric, host = self._link_host(job_id, node_id)
+        if rate.strip() == "0":
+            fabric.unshape(host)
+            self._arm_link_timer(host, None, lambda: None)
+            return {**self._link_report(fabric, node_id, host), "heals_in_s": None}
+        fabric.shape(host, rate)
+        self._arm_link_timer(host, seconds, lambda: fabric.unshape(host))
+        return {**self._link_report(fabric, node_id, host), "heals_in_s": seconds}
+
+    def heal_node(self, job_id: str, node_id: str) -> dict[str, Any]:
+        """Undo :meth:`partition_node` and :meth:`slow_link` on the node's link."""
+        fabric, host = self._link_host(job_id, node_id)
+        self._arm_link_timer(host, None, lambda: None)
+        fabric.heal(host)
+        fabric.unshape(host)
+        return {**self._link_report(fabric, node_id, host), "heals_in_s": None}

@@ -21,17 +21,25 @@ import os
 import socket
 import statistics
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator.contract import AttemptState, CommandType, Env, EventKind
 from orchestrator.domain import reconcile as rc
 from orchestrator.domain.status import IllegalTransition, JobStatus
-from orchestrator.launchers.base import CapacityError, Launcher, LaunchError, LaunchRequest
+from orchestrator.launchers.base import (
+    CapacityError,
+    Launcher,
+    LaunchError,
+    LaunchHandle,
+    LaunchRequest,
+)
 from orchestrator.store import repo, work
-from orchestrator.store.snapshot import Rows, attempt_row, gather_snapshot, handle_of, placement_of
+from orchestrator.store.models import Attempt
+from orchestrator.store.snapshot import Rows, attempt_row, gather_snapshot, parts_of, placement_of
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +178,8 @@ class Reconciler:
             case rc.LaunchRequestFailed(number=n, detail=detail, capacity=capacity):
                 self._launch_failed(s, rows, n, detail, capacity, now)
             case rc.Replan(number=n, placement=p, reason=reason):
-                work.replan_attempt(s, job_id, n, p, reason, now)
+                if work.replan_attempt(s, job_id, n, p, reason, now):
+                    self._give_back(s, job_id, n - 1, "the relaunch moved region")
             case rc.RecordFailure():
                 number = rows.attempt.number if rows.attempt else 0
                 work.record_failure(s, job_id, number, action, now)
@@ -182,8 +191,8 @@ class Reconciler:
                 work.finish_step(s, i, step, o, d, now, result=r)
             case rc.SendCommand(attempt=number, type=type_, args=args):
                 work.enqueue_command(s, job_id, number, type_, dict(args), now)
-            case rc.Release(attempt=number, reason=reason, keep_nodes=keep):
-                self._release(s, job_id, number, reason, now, keep_nodes=keep)
+            case rc.Release(attempt=number, reason=reason, keep_nodes=keep, release_nodes=gone):
+                self._release(s, job_id, number, reason, now, keep_nodes=keep, release=gone)
             case rc.MarkValidated(attempt=number, step=step):
                 work.mark_validated(s, job_id, number, step)
 
@@ -198,15 +207,38 @@ class Reconciler:
             repo.set_status(s, job_id, st, reason=reason, now=now)
 
     def _release(
-        self, s: Session, job_id: str, number: int, reason: str, now: datetime, *, keep_nodes: bool
-    ) -> None:
+        self, s: Session, job_id: str, number: int, reason: str, now: datetime, *,
+        keep_nodes: bool, release: tuple[str, ...] = (),
+    ) -> None:  # fmt: skip
         a = attempt_row(s, job_id, number)
-        if a is None or a.state == AttemptState.ENDED:
+        if a is None:
             return
-        handle = handle_of(a)
-        if handle is not None and not keep_nodes:
+        if a.state != AttemptState.ENDED:
+            work.end_attempt(a, reason, now)
+        if not keep_nodes:
+            self._give_back(s, job_id, number, reason)
+        elif release and self.launcher.abilities.releases_single_nodes:
+            for part in parts_of(a):
+                ids = [n for n in part.node_ids if n in release]
+                hosts = [h for n, h in zip(part.node_ids, part.hosts, strict=False) if n in release]
+                if ids:
+                    self._down(job_id, replace(part, node_ids=tuple(ids), hosts=tuple(hosts)))
+
+    def _give_back(self, s: Session, job_id: str, number: int, reason: str) -> None:
+        """Tear down every launch of the attempt, once (kept nodes included: whoever
+        asks knows they are not used any more)."""
+        a = attempt_row(s, job_id, number)
+        if a is None or not a.handle or a.handle.get("downed"):
+            return
+        for part in parts_of(a):
+            self._down(job_id, part)
+        a.handle = {**a.handle, "downed": reason[:200]}
+
+    def _down(self, job_id: str, handle: LaunchHandle) -> None:
+        try:
             self.launcher.down(handle)
-        work.end_attempt(a, reason, now)
+        except LaunchError as e:  # the launcher's status shows what is left; retried later
+            log.warning("job %s: giving back %s failed: %s", job_id, handle.cluster_name, e)
 
     def _launch_failed(
         self, s: Session, rows: Rows, number: int, detail: str, capacity: bool, now: datetime
@@ -216,14 +248,10 @@ class Reconciler:
         a = attempt_row(s, rows.job.id, number)
         if a is None:
             return
-        handle = work.launch_request_failed(
+        for handle in work.launch_request_failed(
             s, rows.job.id, number, placement_of(a), detail, capacity=capacity, now=now
-        )
-        if handle is not None:
-            try:
-                self.launcher.down(handle)
-            except LaunchError as e:  # recorded; the launcher's status shows what is left
-                log.warning("job %s: giving back %s failed: %s", rows.job.id, handle, e)
+        ):
+            self._down(rows.job.id, handle)
 
     def _start_nodes(self, s: Session, rows: Rows, number: int, now: datetime) -> None:
         """Ask the launcher for the recorded attempt exactly as it was recorded. The
@@ -272,16 +300,61 @@ class Reconciler:
             task=spec.task,
             exclude_hosts=tuple(k.get("exclude_hosts") or ()),
         )
-        previous = attempt_row(s, job.id, number - 1) if k.get("in_place") else None
-        reuse = handle_of(previous) if previous is not None else None
+        previous = attempt_row(s, job.id, number - 1)
+        keep = list(k.get("keep") or [])
         try:
-            if reuse is not None:
-                handle = self.launcher.restart(reuse, request)
+            if k.get("in_place") and previous is not None and previous.handle:
+                parts = [self.launcher.restart(p, request) for p in parts_of(previous)[:1]]
+            elif keep and previous is not None:
+                parts = self._join_survivors(s, request, previous, keep, k)
             else:
-                handle = self.launcher.launch(request)
+                parts = [self.launcher.launch(request)]
         except LaunchError as e:
             work.record_launch_failure(
                 s, job.id, number, placement, str(e), capacity=isinstance(e, CapacityError), now=now
             )
             return
-        work.attempt_started(s, a, handle, now)
+        work.attempt_started(s, a, parts, now)
+
+    def _join_survivors(
+        self, s: Session, request: LaunchRequest, previous: Attempt, keep: list[str],
+        knobs: dict[str, Any],
+    ) -> list[LaunchHandle]:  # fmt: skip
+        """The kept nodes restart in place as node ranks 0..k-1 (per launch they came
+        from), then the replacements launch as ranks k..n-1; every node is told the
+        group's size and the rendezvous address, a kept node's (the service assigns
+        both: a launch only knows its own nodes)."""
+        n = request.placement.num_nodes
+        address = work.node_address(s, previous.job_id, previous.number, keep[0])
+        if not address:
+            raise LaunchError(f"no address known for kept node {keep[0]}: cannot rendezvous")
+        group = {Env.NNODES: str(n), Env.MASTER_ADDR: address}
+        parts: list[LaunchHandle] = []
+        base = 0
+        for part in parts_of(previous):
+            ids = [x for x in part.node_ids if x in keep]
+            if not ids:
+                continue
+            hosts = [h for x, h in zip(part.node_ids, part.hosts, strict=False) if x in keep]
+            sub = replace(part, node_ids=tuple(ids), hosts=tuple(hosts))
+            parts.append(
+                self.launcher.restart(sub, self._part_request(request, base, len(ids), group))
+            )
+            base += len(ids)
+        extra = tuple(knobs.get("keep_hosts") or ())
+        fresh = self._part_request(request, base, n - base, group)
+        parts.append(
+            self.launcher.launch(replace(fresh, exclude_hosts=(*request.exclude_hosts, *extra)))
+        )
+        return parts
+
+    @staticmethod
+    def _part_request(
+        request: LaunchRequest, base: int, count: int, group: dict[str, str]
+    ) -> LaunchRequest:
+        return replace(
+            request,
+            placement=replace(request.placement, num_nodes=count),
+            env={**request.env, **group, Env.NODE_RANK_BASE: str(base)},
+            node_rank_base=base,
+        )

@@ -112,6 +112,7 @@ def register_node(
     provider: str | None = None,
     ranks: list[dict[str, Any]] | None = None,
     now: datetime | None = None,
+    client_ip: str | None = None,
 ) -> Registration:
     """Create the node row, or refresh it when an agent registers again (a restarted
     agent keeps the command cursor its predecessor acknowledged).
@@ -121,7 +122,10 @@ def register_node(
     _require_current(session, job_id, attempt)
     now = now or utcnow()
     node = _node(session, job_id, node_id)
-    info = {"hostname": hostname, "agent_pid": agent_pid, "provider": provider}
+    # client_ip: the address the service saw the agent at; a kept node's is the
+    # rendezvous address of a group that spans launches.
+    info = {"hostname": hostname, "agent_pid": agent_pid, "provider": provider,
+            "client_ip": client_ip}  # fmt: skip
     if node is None:
         node = Node(
             job_id=job_id,

@@ -71,6 +71,28 @@ def handle_of(a: Attempt) -> LaunchHandle | None:
     )
 
 
+def _handle(h: dict[str, Any], launcher: str) -> LaunchHandle:
+    return LaunchHandle(
+        h["cluster_name"],
+        launcher,
+        tuple(h.get("node_ids", ())),
+        tuple(h.get("hosts", ())),
+        str(h.get("request_id") or ""),
+    )
+
+
+def parts_of(a: Attempt) -> list[LaunchHandle]:
+    """The launches an attempt runs on: one, or (the healthy nodes of the last attempt
+    kept) the survivors restarted in place plus the replacements' launch."""
+    h = a.handle
+    if not h:
+        return []
+    parts = h.get("parts")
+    if isinstance(parts, list) and parts:
+        return [_handle(p, h["launcher"]) for p in parts if isinstance(p, dict)]
+    return [_handle(h, h["launcher"])]
+
+
 def _when(h: dict[str, Any] | None, key: str) -> datetime | None:
     raw = (h or {}).get(key)
     try:
@@ -79,13 +101,26 @@ def _when(h: dict[str, Any] | None, key: str) -> datetime | None:
         return None
 
 
-def _progress(launcher: Launcher, handle: LaunchHandle, job_id: str) -> rc.ProvisionView:
-    try:
-        p = launcher.progress(handle)
-    except Exception as e:  # the protocol says never raise; a launcher that does is unread
-        log.exception("job %s: launcher progress failed", job_id)
-        return rc.ProvisionView(rc.LaunchPhase.UNKNOWN, f"{type(e).__name__}: {e}")
-    return rc.ProvisionView(rc.LaunchPhase(p.phase), p.detail, p.capacity, tuple(p.hosts))
+def _progress(launcher: Launcher, parts: list[LaunchHandle], job_id: str) -> rc.ProvisionView:
+    """Every part's request, as one: up when all are, failed when one failed."""
+    views = []
+    for handle in parts:
+        try:
+            p = launcher.progress(handle)
+        except Exception as e:  # the protocol says never raise; one that does is unread
+            log.exception("job %s: launcher progress failed", job_id)
+            return rc.ProvisionView(rc.LaunchPhase.UNKNOWN, f"{type(e).__name__}: {e}")
+        views.append(
+            rc.ProvisionView(rc.LaunchPhase(p.phase), p.detail, p.capacity, tuple(p.hosts))
+        )
+    failed = next((v for v in views if v.phase is rc.LaunchPhase.FAILED), None)
+    if failed is not None:
+        return failed
+    if views and all(v.phase is rc.LaunchPhase.UP for v in views):
+        hosts = tuple(h for v in views for h in v.hosts)
+        return rc.ProvisionView(rc.LaunchPhase.UP, hosts=hosts)
+    waiting = [v for v in views if v.phase is not rc.LaunchPhase.UP]
+    return waiting[0] if waiting else rc.ProvisionView(rc.LaunchPhase.UNKNOWN, "no launch")
 
 
 def placement_of(a: Attempt) -> Placement:
@@ -223,6 +258,7 @@ def _attempt_view(
     s: Session, job_id: str, a: Attempt, now: datetime, launcher: Launcher
 ) -> rc.AttemptView:
     handle = handle_of(a)
+    parts = parts_of(a)
     nodes = s.scalars(select(Node).where(Node.job_id == job_id, Node.attempt == a.number))
     exits = {
         e.node_id: e
@@ -237,13 +273,19 @@ def _attempt_view(
     up_at = _when(a.handle, "up_at")
     provision = None
     if handle is not None and up_at is None and a.state != AttemptState.ENDED:
-        provision = _progress(launcher, handle, job_id)
+        provision = _progress(launcher, parts, job_id)
     alive_ids: set[str] | None = None
     if handle is not None and up_at is not None and a.state != AttemptState.ENDED:
         try:
-            st = launcher.status(handle)
-            alive_ids = set(st.nodes_up) if st.state != "unknown" else None
+            alive_ids = set()
+            for part in parts:
+                st = launcher.status(part)
+                if st.state == "unknown":
+                    alive_ids = None
+                    break
+                alive_ids.update(st.nodes_up)
         except Exception:  # a launcher that cannot be read is not a dead cluster
+            alive_ids = None
             log.exception("job %s: launcher status failed", job_id)
     hosts = dict(zip(handle.node_ids, handle.hosts, strict=False)) if handle is not None else {}
     views = []

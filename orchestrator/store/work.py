@@ -27,7 +27,7 @@ from orchestrator.store import repo
 from orchestrator.store.goodput import rank_values
 from orchestrator.store.models import Attempt, FailureEvent, Job, Lease, Node, NodeCommand
 from orchestrator.store.models import ProtocolStep as StepRow
-from orchestrator.store.snapshot import attempt_row, handle_of, utc
+from orchestrator.store.snapshot import attempt_row, parts_of, utc
 
 LEASE_NAME = "reconciler"
 
@@ -227,15 +227,19 @@ def record_attempt(
 
 def replan_attempt(
     s: Session, job_id: str, number: int, p: Placement, reason: str, now: datetime
-) -> None:
-    """A launch refused for capacity: the attempt (not yet started) moves to ``p``."""
+) -> bool:
+    """A launch refused for capacity: the attempt (not yet started) moves to ``p``.
+    True when it had kept survivors of the last attempt, which must now be given back."""
     a = attempt_row(s, job_id, number)
     if a is None or a.handle:
-        return
+        return False
     a.cloud, a.region, a.zone, a.instance_type = p.cloud, p.region, p.zone, p.instance_type
     a.accelerator, a.num_nodes, a.spot = p.accelerator, p.num_nodes, p.spot
     a.price_per_node_hour = p.price_per_node_hour
-    a.knobs = {**(a.knobs or {}), "gpu_memory_gib": p.gpu_memory_gib}
+    kept = bool((a.knobs or {}).get("keep"))
+    # Survivors cannot join a replacement in another region: the whole group moves.
+    a.knobs = {**(a.knobs or {}), "gpu_memory_gib": p.gpu_memory_gib, "keep": [],
+               "keep_hosts": []}  # fmt: skip
     a.started_at = now
     repo.record_event(
         s,
@@ -248,6 +252,7 @@ def replan_attempt(
         now=now,
     )  # fmt: skip
     s.flush()
+    return kept
 
 
 def record_launch_failure(
@@ -283,21 +288,43 @@ def record_launch_failure(
     )
 
 
-def attempt_started(
-    s: Session, a: Attempt, handle: LaunchHandle, now: datetime
-) -> None:
-    """The launcher accepted the request: the attempt is provisioning (LAUNCHING)
-    until :func:`attempt_up`."""
-    a.handle = {
-        "cluster_name": handle.cluster_name,
-        "launcher": handle.launcher,
-        "node_ids": list(handle.node_ids),
-        "hosts": list(handle.hosts),
-        "request_id": handle.request_id,
-        "requested_at": now.isoformat(),
+def _part(h: LaunchHandle) -> dict[str, Any]:
+    return {
+        "cluster_name": h.cluster_name,
+        "node_ids": list(h.node_ids),
+        "hosts": list(h.hosts),
+        "request_id": h.request_id,
     }
-    a.cluster_name = handle.cluster_name
+
+
+def attempt_started(s: Session, a: Attempt, parts: list[LaunchHandle], now: datetime) -> None:
+    """The launcher accepted the request(s): the attempt is provisioning (LAUNCHING)
+    until :func:`attempt_up`. Several parts: the kept nodes' restart and the
+    replacements' launch, node ranks in that order."""
+    last = parts[-1]
+    a.handle = {
+        **_part(parts[0]),
+        "launcher": last.launcher,
+        "node_ids": [n for h in parts for n in h.node_ids],
+        "hosts": [x for h in parts for x in h.hosts],
+        "request_id": last.request_id,
+        "requested_at": now.isoformat(),
+        **({"parts": [_part(h) for h in parts]} if len(parts) > 1 else {}),
+    }
+    a.cluster_name = parts[0].cluster_name
     s.flush()
+
+
+def node_address(s: Session, job_id: str, number: int, node_id: str) -> str | None:
+    """Where the other nodes reach ``node_id`` of attempt ``number``: the address the
+    service saw its agent register from."""
+    row = s.scalars(
+        select(Node).where(Node.job_id == job_id, Node.node_id == node_id, Node.attempt == number)
+    ).first()
+    if row is None:
+        return None
+    ip = (row.progress or {}).get("client_ip")
+    return str(ip) if ip else None
 
 
 def attempt_up(
@@ -320,21 +347,27 @@ def attempt_up(
 
 
 def launch_request_failed(
-    s: Session, job_id: str, number: int, p: Placement, detail: str, *, capacity: bool,
+    s: Session,
+    job_id: str,
+    number: int,
+    p: Placement,
+    detail: str,
+    *,
+    capacity: bool,
     now: datetime,
-) -> LaunchHandle | None:
+) -> list[LaunchHandle]:
     """An accepted launch request failed (or timed out): recorded like a refused
-    launch, and the attempt is back to not launched; returns the handle to give back."""
+    launch, and the attempt is back to not launched; returns the launches to give back."""
     a = attempt_row(s, job_id, number)
     if a is None or not a.handle or a.handle.get("up_at"):
-        return None
-    handle = handle_of(a)
+        return []
+    handles = parts_of(a)
     record_launch_failure(s, job_id, number, p, detail, capacity=capacity, now=now)
     a.handle = None
     a.cluster_name = None
     a.started_at = now  # the backoff before the next try counts from here
     s.flush()
-    return handle
+    return handles
 
 
 def end_attempt(a: Attempt, reason: str, now: datetime) -> None:

@@ -273,6 +273,54 @@ def test_the_restart_limit_is_decided_at_select():
     assert status.status is S.FAILED
 
 
+KEEPS = rc.LauncherAbilities(restarts_in_place=True, keeps_survivors=True)
+KEEPS_AND_RELEASES = rc.LauncherAbilities(keeps_survivors=True, releases_single_nodes=True)
+
+
+def _preempted_n1(cls=F.PREEMPTION_NOTICE, abilities=KEEPS, **kw) -> rc.JobSnapshot:
+    steps = {**done(P.DETECT, P.SIGNAL)}
+    inc = rc.IncidentView(event_id=99, attempt=1, failure_class=cls, steps=steps, node_id="j-a1-n1")
+    a = attempt(hosts={"j-a1-n0": "h0", "j-a1-n1": "h1"})
+    return snap(status=S.RECOVERING, incident=inc, abilities=abilities, attempt=a, **kw)
+
+
+def test_a_preempted_node_is_replaced_beside_the_healthy_one_which_stays():
+    s = _preempted_n1(listing=rc.CheckpointListing("file:///ckpt", (40,), {40: "d"}))
+    (_, fin, release) = rc.decide(s)
+    assert fin.step is P.CONFIRM_CHECKPOINT
+    # the healthy node stays provisioned; the lost one is given back
+    assert release == rc.Release(1, "incident 99", keep_nodes=True, release_nodes=("j-a1-n1",))
+    steps = {**s.incident.steps, P.CONFIRM_CHECKPOINT: rc.StepView(
+        ago(4), ago(3), O.OK, result={"step": 40, "uri": "file:///ckpt/step_40"})}  # fmt: skip
+    (_, sel) = rc.decide(replace(s, incident=replace(s.incident, steps=steps)))
+    assert sel.result["keep"] == ["j-a1-n0"] and sel.result["keep_hosts"] == ["h0"]
+    # the replacement joins the survivor: same region, although r1 just preempted us
+    assert sel.result["placement"]["region"] == "r1" and not sel.result["in_place"]
+    assert "keep the 1 healthy node (j-a1-n0)" in sel.detail
+
+
+def test_without_a_launcher_that_keeps_survivors_every_node_is_relaunched():
+    s = _preempted_n1(abilities=rc.LauncherAbilities(restarts_in_place=True))
+    s = replace(s, listing=rc.CheckpointListing("file:///ckpt", (40,), {40: "d"}))
+    (_, _, release) = rc.decide(s)
+    assert release == rc.Release(1, "incident 99")
+
+
+def test_a_slow_node_that_still_runs_is_kept_out_only_where_one_node_can_be_given_back():
+    listing = rc.CheckpointListing("file:///ckpt", (40,), {40: "d"})
+    # SkyPilot: the slow VM would bill on, unreleasable alone: relaunch the whole group
+    (_, _, release) = rc.decide(_preempted_n1(F.SLOW_PEER, KEEPS, listing=listing))
+    assert release == rc.Release(1, "incident 99")
+    (_, _, release) = rc.decide(_preempted_n1(F.SLOW_PEER, KEEPS_AND_RELEASES, listing=listing))
+    assert release.keep_nodes and release.release_nodes == ("j-a1-n1",)
+
+
+def test_a_transport_error_keeps_every_node_in_place_not_some():
+    s = _preempted_n1(F.NCCL_TRANSPORT, listing=rc.CheckpointListing("file:///c", (40,), {40: "d"}))
+    (_, _, release) = rc.decide(s)
+    assert release == rc.Release(1, "incident 99", keep_nodes=True)
+
+
 def _selected_steps() -> dict:
     return {
         **done(P.DETECT, P.SIGNAL),
