@@ -49,6 +49,13 @@ class Env:
     #: RESUME_FROM then names the staged copy and EXPECTED_STEP its step.
     STAGE_FROM = "SKYRESUME_RUN_STAGE_FROM"
     CHECKPOINT_EVERY = "SKYRESUME_RUN_CHECKPOINT_EVERY"
+    #: The service assigns the group when a launch holds only part of it (healthy
+    #: nodes kept, replacements launched beside them): this launch's first node rank
+    #: (the agent adds SkyPilot's node rank within the launch), the group's node count
+    #: and the rendezvous address (a kept node's); unset, the launch is the group.
+    NODE_RANK_BASE = "SKYRESUME_RUN_NODE_RANK_BASE"
+    NNODES = "SKYRESUME_RUN_NNODES"
+    MASTER_ADDR = "SKYRESUME_RUN_MASTER_ADDR"
     #: ``FIRST-LAST``: after a rollback past an anomaly (``on_anomaly: rollback_skip``),
     #: the batches of these steps are skipped (the data position moves past them when
     #: the run reaches FIRST), so the data that preceded it is not replayed; the step

@@ -359,6 +359,13 @@ def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> Age
     attempt = pick(a.attempt, Env.ATTEMPT, _integer)
     node_rank = pick(a.node_rank, NodeEnv.NODE_RANK, _integer, 0)
     nnodes = pick(a.nnodes, NodeEnv.NUM_NODES, _integer, 1)
+    if a.from_env:
+        # A launch that holds part of the group (replacements beside kept nodes): the
+        # service gives its first rank, the group's size and the rendezvous address.
+        if a.node_rank is None:
+            node_rank += _from_env(env, Env.NODE_RANK_BASE, _integer, empty_is_unset=True) or 0
+        if a.nnodes is None:
+            nnodes = _from_env(env, Env.NNODES, _integer, empty_is_unset=True) or nnodes
     gpus = _from_env(env, NodeEnv.GPUS_PER_NODE, _integer, empty_is_unset=True)
     gpus = gpus if a.from_env else None
     expect_gpus = a.expect_gpus
@@ -371,6 +378,8 @@ def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> Age
         # One rank per GPU; CPU nodes (no GPUs) run the job's ranks_per_node.
         nproc = gpus if gpus else pick(None, NodeEnv.RANKS_PER_NODE, _integer, 1)
     master_addr = a.master_addr
+    if master_addr is None and a.from_env:
+        master_addr = _from_env(env, Env.MASTER_ADDR, _text, empty_is_unset=True)
     if master_addr is None and a.from_env:
         ips = [ip.strip() for ip in (env.get(NodeEnv.NODE_IPS) or "").splitlines() if ip.strip()]
         master_addr = ips[0] if ips else None

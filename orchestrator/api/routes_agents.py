@@ -420,6 +420,7 @@ def register(
                 agent_pid=body.agent_pid,
                 provider=body.provider,
                 ranks=[r.model_dump() for r in body.ranks],
+                client_ip=request.client.host if request.client else None,
             )
             cursor = reg.command_cursor
     except (NotFound, agents.NotCurrent) as e:
