@@ -96,12 +96,21 @@ def serve(
         load_settings(**{k: v for k, v in overrides.items() if v is not None})
     )
     url = redact_url(settings.effective_database_url)
+    from orchestrator.package import PackageUnavailable
+    from orchestrator.settings import NotRoutable
+
     try:
         service = server.build_service(settings)
     except server.DatabaseError as e:
         fail(f"cannot open the database {url}: {e}")
+    except (server.LocalNetworkError, PackageUnavailable, NotRoutable) as e:
+        fail(str(e), 2)
     where = "SKYRESUME_TOKEN" if settings.token else str(settings.token_path)
     reconciler = f"on, launcher {settings.launcher}" if service.reconciler else "off"
+    if service.reconciler is not None:
+        reconciler += f", nodes reach it at {service.reconciler.service_url}"
+        note = server.launcher_note(service)
+        reconciler += f"; {note}" if note else ""
     err_console.print(
         f"skyresume serving on http://{settings.host}:{settings.port} "
         f"(database {url}; operator token in {where}; reconciler {reconciler})",

@@ -17,6 +17,7 @@ happens inside the function that needs it, so importing this module is as cheap 
 from __future__ import annotations
 
 import contextlib
+import socket
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -92,7 +93,52 @@ def run_service(service: Service) -> None:
             # Registered last, so it runs first: no reconcile pass may use a launcher
             # that has already been released.
             service.cleanup.callback(service.reconciler.stop)
-        uvicorn.run(service.app, host=settings.host, port=settings.port, log_level="warning")
+        config = uvicorn.Config(
+            service.app, host=settings.host, port=settings.port, log_level="warning"
+        )
+        sockets = [_bind(settings.host, settings.port)]
+        gateway = _node_address(service)
+        if gateway is not None and settings.host not in ("0.0.0.0", "::", gateway):
+            sockets.append(_bind(gateway, settings.port))  # where the nodes reach us
+        # What uvicorn.run does, with our sockets: Ctrl-C is a clean stop.
+        with contextlib.suppress(KeyboardInterrupt):
+            uvicorn.Server(config).run(sockets=sockets)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, port))
+    return s
+
+
+def _node_address(service: Service) -> str | None:
+    """This machine's address on the local nodes' bridge, when they live there."""
+    from orchestrator.launchers.local import LocalLauncher
+
+    launcher = service.app.state.launcher
+    if isinstance(launcher, LocalLauncher) and launcher.fabric is not None:
+        return str(launcher.fabric.gateway)
+    return None
+
+
+def launcher_note(service: Service) -> str:
+    """What the operator should know about where nodes run (the local fallback)."""
+    from orchestrator.launchers.local import LocalLauncher
+
+    launcher = service.app.state.launcher
+    return launcher.network_note if isinstance(launcher, LocalLauncher) else ""
+
+
+def node_service_url(settings: Settings, launcher: Launcher) -> str:
+    """The service URL handed to nodes: the local launcher's nodes in namespaces reach
+    it on their bridge; everyone else at the public (or configured) URL."""
+    from orchestrator.launchers.local import LocalLauncher
+
+    if isinstance(launcher, LocalLauncher):
+        return launcher.service_url
+    return settings.effective_service_url
 
 
 def make_launcher(settings: Settings, token: str, cleanup: contextlib.ExitStack) -> Launcher:
@@ -106,20 +152,7 @@ def make_launcher(settings: Settings, token: str, cleanup: contextlib.ExitStack)
     from orchestrator.api.auth import job_token
 
     if settings.launcher == "local":
-        from orchestrator.launchers.local import LocalLauncher
-
-        local = LocalLauncher(
-            settings.home / "local-nodes",
-            settings.effective_service_url,
-            lambda job_id: job_token(token, job_id),
-            provider=settings.local_provider,
-            gpu_memory_gib=settings.local_gpu_memory_gib,
-            replacement_gpu_memory_gib=settings.local_replacement_gpu_memory_gib,
-            regions=tuple(settings.local_regions.split(",")),
-            hosts_per_region=settings.local_hosts_per_region,
-        )
-        cleanup.callback(local.close)
-        return local
+        return _local_launcher(settings, token, cleanup)
     from orchestrator.launchers.skypilot import SkyPilotLauncher
     from orchestrator.package import agent_package_spec
     from orchestrator.settings import require_routable
@@ -133,6 +166,81 @@ def make_launcher(settings: Settings, token: str, cleanup: contextlib.ExitStack)
     return SkyPilotLauncher(
         settings=settings, token_for=lambda j: job_token(token, j), package=package
     )
+
+
+class LocalNetworkError(RuntimeError):
+    """``local_network=netns`` was asked for where namespaces cannot be made."""
+
+
+def local_network(settings: Settings) -> tuple[str, str]:
+    """(``netns`` | ``loopback``, why) for the local launcher's nodes."""
+    from orchestrator.launchers.netns import Fabric
+
+    why = Fabric.unavailable_reason()
+    if settings.local_network == "loopback":
+        return "loopback", "SKYRESUME_LOCAL_NETWORK=loopback"
+    if why is None:
+        bridge, subnet = local_bridge(settings)
+        return "netns", f"nodes are hosts in network namespaces on {bridge} ({subnet})"
+    if settings.local_network == "netns":
+        raise LocalNetworkError(f"SKYRESUME_LOCAL_NETWORK=netns, but {why}")
+    return "loopback", f"no network namespaces ({why}): nodes share this machine's loopback"
+
+
+def local_bridge(settings: Settings) -> tuple[str, str]:
+    """The local nodes' bridge and subnet: the settings', else this home's own."""
+    import hashlib
+
+    h = hashlib.sha256(str(settings.home.resolve()).encode()).digest()
+    bridge = settings.local_bridge or f"srb{h[:3].hex()}"
+    subnet = settings.local_subnet or f"10.{64 + h[3] % 64}.{h[4]}.0/24"
+    return bridge, subnet
+
+
+def _local_launcher(settings: Settings, token: str, cleanup: contextlib.ExitStack) -> Launcher:
+    """The local provisioner: nodes as hosts in namespaces where the kernel allows; the
+    agent installed by each node's setup from this service's own wheel, as on a cloud;
+    the checkpoint store's endpoint and keys passed to nodes as task secrets."""
+    import os
+
+    from orchestrator.api.auth import job_token
+    from orchestrator.launchers.local import STORAGE_ENV, LocalLauncher
+    from orchestrator.package import agent_package_spec
+
+    mode, why = local_network(settings)
+    root = settings.home / "local-nodes"
+    fabric = None
+    url = settings.effective_service_url
+    if mode == "netns":
+        from orchestrator.launchers.netns import Fabric
+
+        bridge, subnet = local_bridge(settings)
+        fabric = Fabric(root / "fabric", bridge=bridge, subnet=subnet)
+        fabric.up()
+        # Nodes reach the service at its address on the bridge (a real, routable one).
+        url = settings.public_url or f"http://{fabric.gateway}:{settings.port}"
+    package = agent_package_spec(settings.model_copy(update={"public_url": url}))
+    local = LocalLauncher(
+        root,
+        url,
+        lambda job_id: job_token(token, job_id),
+        provider=settings.local_provider,
+        gpu_memory_gib=settings.local_gpu_memory_gib,
+        replacement_gpu_memory_gib=settings.local_replacement_gpu_memory_gib,
+        regions=tuple(settings.local_regions.split(",")),
+        hosts_per_region=settings.local_hosts_per_region,
+        network=mode,
+        provision_delay_s=settings.local_provision_delay_s,
+        package=package,
+        pip_args=settings.pip_args or "--no-index --no-deps",
+        storage_env={k: os.environ[k] for k in STORAGE_ENV if os.environ.get(k)},
+        fabric=fabric,
+        network_note=why,
+    )
+    if fabric is not None:
+        cleanup.callback(fabric.teardown)
+    cleanup.callback(local.close)
+    return local
 
 
 def attach_reconciler(
@@ -149,7 +257,7 @@ def attach_reconciler(
     rec = Reconciler(
         sessionmaker=app.state.sessionmaker,
         launcher=launcher,
-        service_url=settings.effective_service_url,
+        service_url=node_service_url(settings, launcher),
         config=config or ReconcileConfig(),
         interval_s=settings.reconcile_interval_s,
     )

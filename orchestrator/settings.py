@@ -118,6 +118,20 @@ class Settings(BaseSettings):
     makes one refuse launches, as a cloud region out of capacity does."""
     local_hosts_per_region: int = Field(default=8, ge=1, le=1024)
     """Hosts each local region has; a host blamed for a hardware fault is never reused."""
+    local_network: str = "auto"
+    """How local nodes are hosts of their own: ``netns`` (a network namespace each on a
+    bridge, its own IP and metadata address; needs root), ``loopback`` (processes
+    sharing this machine's loopback: no partitions, no kept survivors) or ``auto``
+    (netns where the kernel allows, else loopback, said out loud)."""
+    local_bridge: str = ""
+    """The bridge local nodes' namespaces hang on (netns). Empty: one of this service
+    home's own (``srb`` + a digest of the home), so two services never share one."""
+    local_subnet: str = ""
+    """Their addresses; the first is this machine's on the bridge (the gateway). Empty:
+    a /24 of 10.64.0.0/10 picked by the same digest."""
+    local_provision_delay_s: float = Field(default=0.0, ge=0, le=3600)
+    """How long a local launch takes to provision before its setup runs (a cloud VM
+    takes minutes); the reconciler polls it, never waits on it."""
 
     @field_validator("local_regions")
     @classmethod
@@ -141,6 +155,13 @@ class Settings(BaseSettings):
             # line every command prints (``bad setting ...``), not a traceback.
             url = d["public_url"] or d["service_url"] or f"http://{d['host']}:{d['port']}"
             require_routable(url.rstrip("/"), launcher=v)
+        return v
+
+    @field_validator("local_network")
+    @classmethod
+    def _network(cls, v: str) -> str:
+        if v not in ("auto", "netns", "loopback"):
+            raise ValueError(f"local_network must be auto, netns or loopback, got {v!r}")
         return v
 
     @field_validator("local_provider")

@@ -153,6 +153,8 @@ class LocalLauncher:
         pip_args: str = "--no-index --no-deps",
         storage_env: dict[str, str] | None = None,
         template: str = "gpt-cpu",
+        fabric: Any = None,
+        network_note: str = "",
     ) -> None:
         if provider not in PROVIDERS:
             raise ValueError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
@@ -187,7 +189,10 @@ class LocalLauncher:
         self.pip_args = pip_args
         self.storage_env = dict(storage_env or {})
         self.template = template
-        self._fabric: Any = None
+        self.network_note = network_note
+        """How the nodes are hosts here, for the service's banner (netns or why not)."""
+        self._fabric: Any = fabric
+        """A Fabric made by the caller (its bridge and subnet); else made on first use."""
         self._sim: MetadataSimulator | None = None
         self._lock = threading.Lock()
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
