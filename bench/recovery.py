@@ -24,7 +24,15 @@ spike (rollback before the onset), an Xid (the host excluded) and a hung rank (s
 taken, restart). It prints each incident's MTTR by protocol step and its ratio to the
 preemption's, measured in the same run.
 
-Ends with one JSON line: ``{"bench": "recovery", ...}`` (``"recovery-remedies"``).
+``--survivors`` measures what keeping the healthy nodes saves: the same node kill on
+two services in one run, one that keeps the surviving node and launches only the
+replacement beside it, one that releases every node and relaunches all (the old
+behaviour, ``SKYRESUME_LOCAL_KEEP_SURVIVORS=false``). Both on the cloud path: nodes
+in network namespaces, checkpoints in S3 (SeaweedFS), the agent installed by each
+node's setup, a provisioning delay per launch (``--provision-s``, a cloud's boot).
+
+Ends with one JSON line: ``{"bench": "recovery", ...}`` (``"recovery-remedies"``,
+``"recovery-survivors"``).
 """
 
 from __future__ import annotations
@@ -365,6 +373,59 @@ def remedy_incidents(tmp: Path, deadline: float) -> dict[str, dict]:
         svc.stop()
 
 
+def node_kill_incident(tmp: Path, deadline: float, env: dict[str, str]) -> dict:
+    """One node kill (node 1) on a fresh service with ``env``; its incident."""
+    svc = DemoService(tmp, env=env, s3=True)
+    try:
+        http = svc.wait_ready()
+        job = api_post(http, "/v1/jobs", job_spec(tmp, 2000, svc.checkpoint_uri))["id"]
+        s = wait_for(http, job, "step 25", lambda st, n, v, x: v is not None and x >= 25, deadline)
+        api_post(http, f"/v1/jobs/{job}/chaos", {"action": "kill-node", "node": 1})
+        wait_for(http, job, "recovery", lambda st, n, v, x: n > s[1] and v is not None, deadline)
+        inc = api_get(http, f"/v1/jobs/{job}/incidents")["items"][0]
+        http.post(f"/v1/jobs/{job}/cancel")
+        time.sleep(3)
+        return inc
+    finally:
+        svc.stop()
+
+
+def main_survivors(provision_s: float) -> None:
+    deadline = time.monotonic() + 1800
+    base = {
+        "SKYRESUME_LOCAL_NETWORK": "netns",
+        "SKYRESUME_LOCAL_PROVISION_DELAY_S": f"{provision_s:g}",
+    }
+    incs = {}
+    with tempfile.TemporaryDirectory(prefix="bench-survivors-") as d:
+        for name, keep in (("kept", "true"), ("released", "false")):
+            (Path(d) / name).mkdir()
+            env = {**base, "SKYRESUME_LOCAL_KEEP_SURVIVORS": keep}
+            incs[name] = inc = node_kill_incident(Path(d) / name, deadline, env)
+            steps = ", ".join(
+                f"{x['step']} {x['seconds']:.2f}" for x in inc["steps"] if x["seconds"]
+            )
+            sel = next(x["detail"] for x in inc["steps"] if x["step"] == "select_replacement")
+            print(f"{name}: MTTR {inc['mttr_s']:.1f} s ({steps}); select: {sel}", flush=True)
+    kept, released = incs["kept"], incs["released"]
+    print(
+        json.dumps(
+            {
+                "bench": "recovery-survivors",
+                "provision_delay_s": provision_s,
+                "kept_mttr_s": round(kept["mttr_s"], 2),
+                "released_mttr_s": round(released["mttr_s"], 2),
+                "kept_over_released": round(kept["mttr_s"] / released["mttr_s"], 3),
+                "kept_by_step_s": {s["step"]: round(s["seconds"] or 0, 2) for s in kept["steps"]},
+                "released_by_step_s": {
+                    s["step"]: round(s["seconds"] or 0, 2) for s in released["steps"]
+                },
+                "steps_lost": [kept["steps_lost"], released["steps_lost"]],
+            }
+        )
+    )
+
+
 def main_remedies() -> None:
     deadline = time.monotonic() + 2400
     with tempfile.TemporaryDirectory(prefix="bench-remedies-") as d:
@@ -388,7 +449,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200, help="steps of the throughput runs")
     p.add_argument("--rounds", type=int, default=3, help="throughput rounds (best taken)")
     p.add_argument("--remedies", action="store_true", help="MTTR by step of each remedy")
+    p.add_argument(
+        "--survivors", action="store_true", help="node kill: survivors kept vs all relaunched"
+    )
+    p.add_argument("--provision-s", type=float, default=20.0, help="--survivors: boot delay")
     args = p.parse_args()
+    if args.survivors:
+        main_survivors(args.provision_s)
+        return
     if args.remedies:
         main_remedies()
         return

@@ -1,12 +1,25 @@
-"""``skyresume demo``: the whole recovery loop on this machine, on embedded defaults.
+"""``skyresume demo``: the whole recovery loop on this machine, on embedded defaults,
+on the path a cloud takes.
 
 It starts ``skyresume serve`` (SQLite, local launcher, reconciler on) in a fresh
-state directory, submits a 2-node x 2-rank CPU GPT job (gloo) that checkpoints to a
-``file://`` store, then injects a spot preemption notice on node 1 and, once the job
-has recovered and trained on, kills node 0 outright. The service recovers from both
-on its own; the demo only watches, then prints the incident table and checks the
-outcome: it exits 0 only when training finished and every resume was validated on
-every rank (and the preemption lost no step).
+state directory and a real S3 server (SeaweedFS) as the checkpoint store. Each node
+is a host of its own (a network namespace with its own IP and its provider's
+metadata endpoint at the real link-local address; where namespaces cannot be made,
+the nodes share loopback and the demo says so), provisioned by the same SkyPilot
+task a cloud runs: its setup installs the agent from the service's own wheel, its
+run starts the agent. It submits a 2-node x 2-rank CPU GPT job (gloo) that
+checkpoints to ``s3://``, then:
+
+1. a spot preemption notice on node 1: the ranks save, the healthy node 0 stays
+   provisioned and one replacement joins it (no step lost);
+2. node 0 killed outright (every process, SIGKILL): resumed from the last periodic
+   checkpoint, staged from S3 by each new node itself;
+3. node 1's link taken down (a real partition; with namespaces only): its heartbeats
+   stop, it is replaced, and nothing it could still write is resumed.
+
+The service recovers from each on its own; the demo only watches, prints the
+incident table and checks the outcome: it exits 0 only when training finished and
+every resume was validated on every rank (and the preemption lost no step).
 """
 
 from __future__ import annotations
@@ -47,7 +60,7 @@ TINY_MODEL: dict[str, Any] = {
 }
 
 
-def job_spec(home: Path, steps: int) -> dict[str, Any]:
+def job_spec(home: Path, steps: int, checkpoint_uri: str | None = None) -> dict[str, Any]:
     cmd = (
         f"{sys.executable} -m training.examples.train_gpt --max-steps {steps} "
         f"--step-sleep 0.1 --save-final {home / 'final_weights.pt'}"
@@ -61,7 +74,7 @@ def job_spec(home: Path, steps: int) -> dict[str, Any]:
         # Every 10 steps, fixed: the advisor would stretch it to hours for 4 CPU ranks
         # (MTBF at Llama 3's rate), and the demo wants to show steps lost on a kill.
         "checkpoint": {
-            "uri": f"file://{home / 'checkpoints'}",
+            "uri": checkpoint_uri or f"file://{home / 'checkpoints'}",
             "every_steps": 10,
             "keep": 3,
             "adaptive": False,
@@ -70,15 +83,45 @@ def job_spec(home: Path, steps: int) -> dict[str, Any]:
     }
 
 
+def node_gateway(home: Path) -> tuple[str, str]:
+    """(the address nodes reach this machine at, how nodes are hosts here) for a service
+    with this home: the bridge's gateway with namespaces, else loopback."""
+    import ipaddress
+
+    from orchestrator.server import local_bridge, local_network
+    from orchestrator.settings import Settings
+
+    settings = Settings(home=home, launcher="local")
+    mode, why = local_network(settings)
+    if mode != "netns":
+        return "127.0.0.1", why
+    return str(ipaddress.ip_network(local_bridge(settings)[1])[1]), why
+
+
 class DemoService:
-    def __init__(self, home: Path, env: dict[str, str] | None = None) -> None:
-        """``env``: more ``SKYRESUME_*`` settings for the service (e.g. its regions)."""
+    def __init__(self, home: Path, env: dict[str, str] | None = None, *, s3: bool = False) -> None:
+        """``env``: more ``SKYRESUME_*`` settings for the service (e.g. its regions).
+        ``s3``: a SeaweedFS S3 server is the checkpoint store (``checkpoint_uri``),
+        listening where the nodes reach this machine."""
         from orchestrator.launchers.local import free_port
 
         self.home = home
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.gateway, self.network = node_gateway(home)
+        self.s3: Any = None
+        self._s3_port = free_port() if s3 else 0
+        self._s3_keys = (f"demo-{os.getpid()}", os.urandom(16).hex())
         proc_env = {k: v for k, v in os.environ.items() if not k.startswith("SKYRESUME_")}
+        if s3:
+            # The service reads checkpoints (CONFIRM) and hands nodes the same endpoint
+            # and keys as task secrets; the server itself starts once the bridge is up.
+            proc_env.update(
+                SKYRESUME_S3_ENDPOINT_URL=f"http://{self.gateway}:{self._s3_port}",
+                AWS_ACCESS_KEY_ID=self._s3_keys[0],
+                AWS_SECRET_ACCESS_KEY=self._s3_keys[1],
+                AWS_DEFAULT_REGION="us-east-1",
+            )
         proc_env.update(env or {})
         proc_env.update(
             SKYRESUME_HOME=str(home),
@@ -103,6 +146,7 @@ class DemoService:
                 raise DemoError(f"the service exited ({self.proc.returncode}); see service.log")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                    self._start_s3()
                     token = (self.home / "token").read_text().strip()
                     return httpx.Client(
                         base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=30
@@ -110,7 +154,27 @@ class DemoService:
             time.sleep(0.2)
         raise DemoError(f"the service did not become ready in {timeout_s:.0f} s")
 
+    @property
+    def checkpoint_uri(self) -> str | None:
+        return f"s3://{self.s3.bucket}/demo-gpt" if self.s3 is not None else None
+
+    def _start_s3(self) -> None:
+        if not self._s3_port or self.s3 is not None:
+            return
+        from orchestrator.cloud.seaweed import SeaweedError, start
+
+        try:
+            self.s3 = start(
+                host=self.gateway, port=self._s3_port, data_dir=self.home / "s3",
+                bucket="checkpoints", access_key=self._s3_keys[0], secret_key=self._s3_keys[1],
+            )  # fmt: skip
+        except SeaweedError as e:
+            raise DemoError(f"the S3 server (SeaweedFS) did not start: {e}") from None
+
     def stop(self) -> None:
+        if self.s3 is not None:
+            self.s3.stop()
+            self.s3 = None
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -169,13 +233,17 @@ def run_demo(home: Path | None = None, steps: int = 120, timeout_s: float = 900.
     home.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + timeout_s
     console.print(f"[bold]skyresume demo[/bold]: state in {home}")
-    svc = DemoService(home)
+    svc = DemoService(home, s3=True)
     job = None
     http = None
     try:
         http = svc.wait_ready()
         console.print(f"service up at {svc.url} (SQLite, local launcher, reconciler on)")
-        job = api_post(http, "/v1/jobs", job_spec(home, steps))["id"]
+        console.print(f"nodes: {svc.network}")
+        if svc.gateway == "127.0.0.1":
+            console.print("[yellow]no network namespaces: the partition step is skipped[/yellow]")
+        console.print(f"checkpoints: {svc.checkpoint_uri} (SeaweedFS S3 at {svc.s3.endpoint_url})")
+        job = api_post(http, "/v1/jobs", job_spec(home, steps, svc.checkpoint_uri))["id"]
         console.print(f"submitted job {job}: 2 nodes x 2 CPU ranks (gloo), {steps} steps")
 
         console.print("[bold]1.[/bold] waiting for training to pass step 30")
@@ -206,7 +274,19 @@ def run_demo(home: Path | None = None, steps: int = 120, timeout_s: float = 900.
             lambda st, n, v, step: n > second and v is not None,
             deadline,
         )
-        console.print("[bold]4.[/bold] training on to the end")
+        if svc.gateway != "127.0.0.1":
+            s = wait_for(
+                http, job, "training on", lambda st, n, v, step: v is not None and step >= v + 10,
+                deadline,
+            )  # fmt: skip
+            console.print("[bold]4.[/bold] node 1's link taken down (a network partition)")
+            api_post(http, f"/v1/jobs/{job}/chaos", {"action": "partition", "node": 1})
+            third = s[1]
+            s = wait_for(
+                http, job, "recovery from the partition",
+                lambda st, n, v, step: n > third and v is not None, deadline,
+            )  # fmt: skip
+        console.print("[bold]5.[/bold] training on to the end")
         s = wait_for(http, job, "the end", lambda st, n, v, step: st == "SUCCEEDED", deadline)
         return _report(http, job, svc, home, incident_table)
     except DemoError as e:
@@ -225,6 +305,11 @@ def run_demo(home: Path | None = None, steps: int = 120, timeout_s: float = 900.
         svc.stop()
 
 
+def _select(incident: dict[str, Any]) -> str:
+    step = next((s for s in incident["steps"] if s["step"] == "select_replacement"), None)
+    return str((step or {}).get("detail") or "")
+
+
 def _report(http: Any, job: str, svc: DemoService, home: Path, incident_table: Any) -> int:
     j = api_get(http, f"/v1/jobs/{job}")
     incs = api_get(http, f"/v1/jobs/{job}/incidents")["items"]
@@ -233,8 +318,13 @@ def _report(http: Any, job: str, svc: DemoService, home: Path, incident_table: A
     if j["status"] != "SUCCEEDED":
         problems.append(f"job ended {j['status']}: {j.get('status_reason')}")
     classes = [i["failure_class"] for i in incs]
-    if classes[:2] != ["preemption_notice", "node_lost"]:
-        problems.append(f"expected a preemption then a node loss, got {classes}")
+    want = ["preemption_notice", "node_lost"] + (
+        ["node_lost"] if svc.gateway != "127.0.0.1" else []
+    )
+    if classes[: len(want)] != want:
+        problems.append(f"expected {', '.join(want)}, got {classes}")
+    if svc.gateway != "127.0.0.1" and incs and "keep the 1 healthy node" not in _select(incs[0]):
+        problems.append(f"the preemption did not keep the healthy node: {_select(incs[0])}")
     for i in incs:
         v = next((s for s in i["steps"] if s["step"] == "validate"), None)
         if v is None or v["outcome"] != "ok":

@@ -236,6 +236,7 @@ def _local_launcher(settings: Settings, token: str, cleanup: contextlib.ExitStac
         storage_env={k: os.environ[k] for k in STORAGE_ENV if os.environ.get(k)},
         fabric=fabric,
         network_note=why,
+        keep_survivors=settings.local_keep_survivors,
     )
     if fabric is not None:
         cleanup.callback(fabric.teardown)

@@ -129,6 +129,9 @@ class Settings(BaseSettings):
     local_subnet: str = ""
     """Their addresses; the first is this machine's on the bridge (the gateway). Empty:
     a /24 of 10.64.0.0/10 picked by the same digest."""
+    local_keep_survivors: bool = True
+    """After a node loss keep the healthy nodes and launch only the replacement (netns
+    only); false relaunches every node, as before (kept to compare the two)."""
     local_provision_delay_s: float = Field(default=0.0, ge=0, le=3600)
     """How long a local launch takes to provision before its setup runs (a cloud VM
     takes minutes); the reconciler polls it, never waits on it."""

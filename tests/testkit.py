@@ -116,10 +116,19 @@ class FakeLauncher:
             for k, r in enumerate(("r1", "r2"))
         ]
 
+    downed_nodes: list[tuple[str, ...]] = field(default_factory=list)
+
+    @staticmethod
+    def _ids(request: LaunchRequest) -> tuple[str, ...]:
+        base = request.node_rank_base
+        return tuple(
+            f"{request.job_id}-a{request.attempt}-n{base + k}"
+            for k in range(request.placement.num_nodes)
+        )
+
     def restart(self, previous: LaunchHandle, request: LaunchRequest) -> LaunchHandle:
         self.restarted.append(request)
-        ids = tuple(f"{request.job_id}-a{request.attempt}-n{k}" for k in range(2))
-        return LaunchHandle(previous.cluster_name, self.name, ids, previous.hosts)
+        return LaunchHandle(previous.cluster_name, self.name, self._ids(request), previous.hosts)
 
     def progress(self, handle: LaunchHandle) -> LaunchProgress:
         return self.provisioning.get(
@@ -130,14 +139,17 @@ class FakeLauncher:
         if request.placement.region in self.stocked_out:
             raise CapacityError(f"InsufficientInstanceCapacity in {request.placement.region}")
         self.launched.append(request)
-        ids = tuple(f"{request.job_id}-a{request.attempt}-n{k}" for k in range(2))
-        hosts = tuple(f"h{request.attempt}-{k}" for k in range(2))
-        cluster = f"{request.job_id}-a{request.attempt}"
+        ids = self._ids(request)
+        base = request.node_rank_base
+        hosts = tuple(f"h{request.attempt}-{base + k}" for k in range(len(ids)))
+        cluster = f"{request.job_id}-a{request.attempt}" + (f"-b{base}" if base else "")
         return LaunchHandle(cluster, self.name, ids, hosts, request_id=f"req-{cluster}")
 
     def status(self, handle: LaunchHandle) -> ClusterStatus:
         up = tuple(n for n in handle.node_ids if n not in self.dead)
-        return ClusterStatus(ClusterState.UP if len(up) == 2 else ClusterState.PARTIAL, up)
+        full = len(up) == len(handle.node_ids)
+        return ClusterStatus(ClusterState.UP if full else ClusterState.PARTIAL, up)
 
     def down(self, handle: LaunchHandle) -> None:
         self.downed.append(handle.cluster_name)
+        self.downed_nodes.append(handle.node_ids)

@@ -152,6 +152,9 @@ class NodeView:
     ranks: tuple[RankView, ...] = ()
     host: str | None = None
     """The machine the node runs on (what a hardware fault is blamed on)."""
+    address: str | None = None
+    """Where the service saw its agent register from: a kept node's is the rendezvous
+    address of a group that spans launches."""
 
 
 @dataclass(frozen=True)
@@ -869,9 +872,10 @@ def survivors(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> tuple[str, .
     lost = {inc.node_id, *a.vanished}
     lost.update(f.node_id for f in s.failures if f.failure_class in NODE_FAULTS and f.node_id)
     lost.update(n.node_id for n in a.nodes if n.alive is False and not n.exited)
-    kept = tuple(
-        n.node_id for n in sorted(a.nodes, key=lambda n: n.node_rank) if n.node_id not in lost
-    )
+    nodes = [n for n in sorted(a.nodes, key=lambda n: n.node_rank) if n.node_id not in lost]
+    if nodes and not nodes[0].address:
+        return ()  # the group's rendezvous would be a kept node nobody can be told of
+    kept = tuple(n.node_id for n in nodes)
     return kept if 0 < len(kept) < a.num_nodes else ()
 
 

@@ -155,6 +155,7 @@ class LocalLauncher:
         template: str = "gpt-cpu",
         fabric: Any = None,
         network_note: str = "",
+        keep_survivors: bool = True,
     ) -> None:
         if provider not in PROVIDERS:
             raise ValueError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
@@ -179,7 +180,7 @@ class LocalLauncher:
         self.abilities = LauncherAbilities(
             restarts_in_place=True,
             chaos=True,
-            keeps_survivors=network == "netns",
+            keeps_survivors=network == "netns" and keep_survivors,
             releases_single_nodes=network == "netns",
         )
         self.provision_delay_s = provision_delay_s

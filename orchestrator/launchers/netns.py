@@ -273,7 +273,13 @@ class Fabric:
                     f"real network): pick another subnet for bridge {self.bridge}"
                 )
         if not _link_exists(self.bridge):
-            _run("ip", "link", "add", self.bridge, "type", "bridge")
+            # A fixed MAC: a bridge otherwise takes its lowest port's, so it changes when
+            # a node's veth comes or goes, and every other node's ARP entry for the
+            # gateway points at a MAC nobody answers for ~30 s (measured: a kept node's
+            # setup timed out twice reaching the service after a replacement joined).
+            gw_ip = ipaddress.IPv4Address(self.gateway)
+            mac = "02:53:52:" + ":".join(f"{b:02x}" for b in gw_ip.packed[1:])
+            _run("ip", "link", "add", self.bridge, "address", mac, "type", "bridge")
         if (self.bridge, ipaddress.ip_interface(gw)) not in self._addresses():
             _run("ip", "addr", "replace", gw, "dev", self.bridge)
         _run("ip", "link", "set", self.bridge, "up")

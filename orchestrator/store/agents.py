@@ -181,7 +181,9 @@ def record_heartbeat(
     if state not in NODE_STATES:
         raise ValueError(f"state must be one of {sorted(NODE_STATES)}, got {state!r}")
     keep = {
-        k: v for k, v in (node.progress or {}).items() if k in ("hostname", "agent_pid", "provider")
+        k: v
+        for k, v in (node.progress or {}).items()
+        if k in ("hostname", "agent_pid", "provider", "client_ip")
     }
     acked = body.get("acked_command")
     if acked is None:  # an agent that acked nothing new must not rewind the cursor

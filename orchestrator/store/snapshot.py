@@ -316,6 +316,7 @@ def _attempt_view(
                 exit_code=(ev.details or {}).get("exit_code") if ev is not None else None,
                 ranks=ranks,
                 host=hosts.get(n.node_id) or n.address,
+                address=prog.get("client_ip") if isinstance(prog.get("client_ip"), str) else None,
             )
         )
     registered = {v.node_id for v in views}

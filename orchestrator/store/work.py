@@ -213,6 +213,8 @@ def record_attempt(
                 "skip_steps": list(action.skip_steps) if action.skip_steps else None,
                 "collective_timeout_s": action.collective_timeout_s,
                 "stage_from": action.stage_from,
+                "keep": list(action.keep),
+                "keep_hosts": list(action.keep_hosts),
                 **(p.knobs.to_dict() if p.knobs else {}),
             },
             resume_step=action.resume_step,

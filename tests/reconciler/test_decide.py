@@ -35,6 +35,7 @@ def node(k: int, *, attempt: int = 1, steps=(50, 50), resumed=(0, 0), hb=1.0, **
         last_heartbeat_at=ago(hb),
         alive=True,
         ranks=ranks,
+        address=f"10.0.0.{k + 2}",
     )
     return rc.NodeView(**{**base, **kw})
 

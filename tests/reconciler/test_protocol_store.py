@@ -21,6 +21,7 @@ from orchestrator.contract import (
     commit_marker,
 )
 from orchestrator.domain.protocol import ProtocolStep
+from orchestrator.domain.reconcile import LauncherAbilities
 from orchestrator.domain.spec import validate_job_spec
 from orchestrator.reconciler.loop import Reconciler
 from orchestrator.store import agents, db, repo
@@ -86,7 +87,15 @@ class World:
         with self.sm.begin() as s:
             for k in range(2):
                 nid = f"{self.job}-a{attempt}-n{k}"
-                agents.register_node(s, self.job, attempt, nid, node_rank=k, now=self.now)
+                agents.register_node(
+                    s,
+                    self.job,
+                    attempt,
+                    nid,
+                    node_rank=k,
+                    now=self.now,
+                    client_ip=f"10.0.0.{k + 2}",
+                )
                 ranks = [
                     {
                         "rank": 2 * k + i,
@@ -216,6 +225,41 @@ def test_a_lost_node_stops_the_survivors_and_resumes_from_the_last_periodic_chec
     with w.sm() as s:
         (inc,) = incidents(s, w.job)
     assert inc["failure_class"] == "node_lost" and inc["steps_lost"] == 7
+
+
+def test_a_preemption_keeps_the_healthy_node_and_launches_one_replacement_beside_it(world):
+    w = world
+    w.launcher.abilities = LauncherAbilities(
+        restarts_in_place=True, keeps_survivors=True, releases_single_nodes=True
+    )
+    start_running(w)
+    write_checkpoint(w.ckpt, 40)
+    w.agents_up(1, resumed=0, step=40)
+    w.report(1, 1, {"key": "n1", "kind": "preemption_notice", "provider": "aws"})
+    w.tick()
+    for k in range(2):
+        w.report(1, k, {"key": "x", "kind": "node_exit", "exit_code": 75, "reason": "saved"})
+    w.run_until_launched(2)
+    # only the lost node was given back; the healthy one stayed provisioned
+    assert w.launcher.downed_nodes == [(f"{w.job}-a1-n1",)]
+    (kept,) = w.launcher.restarted
+    assert (kept.node_rank_base, kept.placement.num_nodes) == (0, 1)
+    fresh = w.launcher.launched[-1]
+    assert (fresh.node_rank_base, fresh.placement.num_nodes) == (1, 1)
+    assert fresh.env[Env.NODE_RANK_BASE] == "1" and "h1-0" in fresh.exclude_hosts
+    for req in (kept, fresh):  # one group: its size and a kept node's address
+        assert (req.env[Env.NNODES], req.env[Env.MASTER_ADDR]) == ("2", "10.0.0.2")
+    w.recovered(2, 40)
+    with w.sm() as s:
+        (inc,) = incidents(s, w.job)
+        a2 = s.query(Attempt).filter_by(job_id=w.job, number=2).one()
+    assert [p["cluster_name"] for p in a2.handle["parts"]] == [f"{w.job}-a1", f"{w.job}-a2-b1"]
+    assert a2.handle["node_ids"] == [f"{w.job}-a2-n0", f"{w.job}-a2-n1"]
+    assert inc["steps_lost"] == 0
+    w.report(2, 0, {"key": "e", "kind": "node_exit", "exit_code": 0, "reason": "done"})
+    w.report(2, 1, {"key": "e", "kind": "node_exit", "exit_code": 0, "reason": "done"})
+    w.run_until("SUCCEEDED")
+    assert (f"{w.job}-a2-n0",) in w.launcher.downed_nodes  # every part given back at the end
 
 
 def test_a_checkpoint_a_node_cannot_stage_fails_the_job_with_the_node_s_reason(world):
