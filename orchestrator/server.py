@@ -237,6 +237,7 @@ def _local_launcher(settings: Settings, token: str, cleanup: contextlib.ExitStac
         fabric=fabric,
         network_note=why,
         keep_survivors=settings.local_keep_survivors,
+        release_single_nodes=settings.local_release_single_nodes,
     )
     if fabric is not None:
         cleanup.callback(fabric.teardown)
@@ -259,7 +260,7 @@ def attach_reconciler(
         sessionmaker=app.state.sessionmaker,
         launcher=launcher,
         service_url=node_service_url(settings, launcher),
-        config=config or ReconcileConfig(),
+        config=config or ReconcileConfig(register_timeout_s=settings.register_timeout_s),
         interval_s=settings.reconcile_interval_s,
     )
     app.state.reconciler = rec

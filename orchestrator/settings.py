@@ -104,6 +104,9 @@ class Settings(BaseSettings):
     """Run the reconciler (the restart protocol) inside ``serve``. One replica holds
     the lease at a time, so every replica may leave it on."""
     reconcile_interval_s: float = Field(default=0.5, gt=0)
+    register_timeout_s: float = Field(default=180.0, gt=0, le=86400)
+    """How long a node that is up (its launch request done) may take to register
+    before it is lost; provisioning has its own timeout in the job spec."""
     launcher: str = "local"
     """``local`` (nodes as process sessions on this machine) or ``skypilot``."""
     local_provider: str = "aws"
@@ -129,6 +132,9 @@ class Settings(BaseSettings):
     local_subnet: str = ""
     """Their addresses; the first is this machine's on the bridge (the gateway). Empty:
     a /24 of 10.64.0.0/10 picked by the same digest."""
+    local_release_single_nodes: bool = True
+    """Whether a lost node of a local launch can be given back alone; false behaves
+    like SkyPilot (a cluster goes whole: a kept node's lost peer stays provisioned)."""
     local_keep_survivors: bool = True
     """After a node loss keep the healthy nodes and launch only the replacement (netns
     only); false relaunches every node, as before (kept to compare the two)."""

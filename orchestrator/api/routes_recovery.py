@@ -107,6 +107,9 @@ class ChaosIn(BaseModel):
         "heal",
     ]
     node: int = Field(ge=0, description="node rank within the current attempt")
+    attempt: int | None = Field(default=None, ge=1, le=1_000_000)
+    """heal: the attempt the node belongs to (default the current one): a partitioned
+    node of an attempt the job moved on from can be healed, to see it refused."""
     rank: int | None = Field(default=None, ge=0, description="global rank (hang/slow)")
     provider: Literal["aws", "gcp", "azure"] | None = None
     in_seconds: float = Field(default=30.0, ge=0, le=3600)
@@ -153,6 +156,15 @@ def chaos(job_id: str, body: ChaosIn, request: Request, session: SessionDep) -> 
     if a is None or not a.handle or a.state == AttemptState.ENDED:
         raise HTTPException(409, f"job {job_id} has no running attempt")
     node_ids = list(a.handle.get("node_ids", []))
+    if body.attempt is not None and body.attempt != a.number:
+        if body.action != "heal":
+            raise HTTPException(422, f"attempt is for heal; {body.action} acts on the current one")
+        old = session.scalars(
+            select(Attempt).where(Attempt.job_id == job_id, Attempt.number == body.attempt)
+        ).first()
+        if old is None or not old.handle:
+            raise HTTPException(404, f"job {job_id} has no attempt {body.attempt} with nodes")
+        a, node_ids = old, list(old.handle.get("node_ids", []))
     if body.action in _LINK_ACTIONS:
         assert launcher is not None
         return _link_chaos(job_id, body, launcher, node_ids, a.number)

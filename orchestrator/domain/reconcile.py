@@ -851,8 +851,6 @@ def _in_place(s: JobSnapshot, inc: IncidentView) -> bool:
 REPLACES_A_NODE = frozenset({_A.REPLACE_NODE_BLOCK_REGION, _A.DRAIN_NODE})
 #: Classes whose node is gone already (nothing of it to give back).
 NODE_GONE = frozenset({_F.PREEMPTION_NOTICE, _F.NODE_LOST, _F.EXTERNAL_TERMINATION})
-#: Failures that take their own node out of the group.
-NODE_FAULTS = NODE_GONE | rm.BLAMES_HOST
 
 
 def survivors(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> tuple[str, ...]:
@@ -870,7 +868,17 @@ def survivors(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> tuple[str, .
     ):
         return ()
     lost = {inc.node_id, *a.vanished}
-    lost.update(f.node_id for f in s.failures if f.failure_class in NODE_FAULTS and f.node_id)
+    # What happened *to* a node, not what its peers' ranks died of: a survivor's rank
+    # exits are classed after the cause (node_lost) and must not take it out too.
+    lost.update(
+        f.node_id
+        for f in s.failures
+        if f.node_id
+        and (
+            f.kind in (EventKind.NODE_LOST, EventKind.PREEMPTION_NOTICE)
+            or (f.failure_class in rm.BLAMES_HOST and f.kind != EventKind.RANK_EXIT)
+        )
+    )
     lost.update(n.node_id for n in a.nodes if n.alive is False and not n.exited)
     nodes = [n for n in sorted(a.nodes, key=lambda n: n.node_rank) if n.node_id not in lost]
     if nodes and not nodes[0].address:

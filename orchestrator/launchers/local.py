@@ -156,6 +156,7 @@ class LocalLauncher:
         fabric: Any = None,
         network_note: str = "",
         keep_survivors: bool = True,
+        release_single_nodes: bool = True,
     ) -> None:
         if provider not in PROVIDERS:
             raise ValueError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
@@ -181,7 +182,7 @@ class LocalLauncher:
             restarts_in_place=True,
             chaos=True,
             keeps_survivors=network == "netns" and keep_survivors,
-            releases_single_nodes=network == "netns",
+            releases_single_nodes=network == "netns" and release_single_nodes,
         )
         self.provision_delay_s = provision_delay_s
         self.package = package
@@ -602,13 +603,25 @@ class LocalLauncher:
             )
         return None
 
+    def _meta_of_node(self, job_id: str, node_id: str) -> dict[str, Any]:
+        """The launch meta holding ``node_id``: its attempt's cluster, or one of the
+        attempt's other launches (``-b<rank>``: replacements beside kept nodes)."""
+        cluster, sep, _ = node_id.rpartition("-n")
+        if not sep:
+            return {}
+        for path in [self.root / job_id / f"{cluster}.json",
+                     *sorted((self.root / job_id).glob(f"{cluster}-b*.json"))]:  # fmt: skip
+            meta = read_json(path)
+            if node_id in (meta.get("node_ids") or ()):
+                return meta
+        return {}
+
     def _link_host(self, job_id: str, node_id: str) -> tuple[Any, str]:
         """(fabric, host name) of a node, from its cluster's meta file (node order)."""
         refusal = self.link_chaos_refusal()
         if refusal is not None:
             raise LaunchError(refusal)
-        cluster, sep, _ = node_id.rpartition("-n")
-        meta = read_json(self.root / job_id / f"{cluster}.json") if sep else {}
+        meta = self._meta_of_node(job_id, node_id)
         nodes, hosts = list(meta.get("node_ids") or ()), list(meta.get("hosts") or ())
         if node_id not in nodes or len(hosts) != len(nodes):
             raise LaunchError(f"no local node {node_id} for job {job_id}")

@@ -44,6 +44,7 @@ import re
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -356,8 +357,15 @@ class Fabric:
         )  # fmt: skip
         etc = Path("/etc/netns") / h.netns
         etc.mkdir(parents=True, exist_ok=True)
+        # The machine's hostname (shared: no UTS namespace) names this node's own IP,
+        # and there is no DNS server: without both, torchrun's getfqdn() and gloo's
+        # hostname lookups wait out resolver timeouts (measured: ~20 s per torchrun).
+        (etc / "resolv.conf").write_text(
+            "# no DNS on the nodes' bridge\noptions timeout:1 attempts:1\n"
+        )
         (etc / "hosts").write_text(
-            f"127.0.0.1\tlocalhost\n{h.ip}\t{h.name}\n{METADATA_IP}\tmetadata.google.internal\n"
+            f"127.0.0.1\tlocalhost\n{h.ip}\t{h.name} {socket.gethostname()}\n"
+            f"{METADATA_IP}\tmetadata.google.internal\n"
         )
 
     def remove_host(self, name: str) -> None:

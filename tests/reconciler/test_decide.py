@@ -300,6 +300,16 @@ def test_a_preempted_node_is_replaced_beside_the_healthy_one_which_stays():
     assert "keep the 1 healthy node (j-a1-n0)" in sel.detail
 
 
+def test_a_survivor_whose_ranks_died_of_the_lost_peer_is_still_kept():
+    """The killed node's peer's ranks exit too (classed after the cause, node_lost):
+    what happened to its ranks is not what happened to the node."""
+    echo = rc.Failure(8, "rank_exit", F.NODE_LOST, ago(1), node_id="j-a1-n0", rank=0)
+    s = _preempted_n1(F.NODE_LOST, failures=(echo,))
+    s = replace(s, listing=rc.CheckpointListing("file:///ckpt", (40,), {40: "d"}))
+    (_, _, release) = rc.decide(s)
+    assert release.release_nodes == ("j-a1-n1",)
+
+
 def test_without_a_launcher_that_keeps_survivors_every_node_is_relaunched():
     s = _preempted_n1(abilities=rc.LauncherAbilities(restarts_in_place=True))
     s = replace(s, listing=rc.CheckpointListing("file:///ckpt", (40,), {40: "d"}))
