@@ -303,8 +303,13 @@ class Reconciler:
         previous = attempt_row(s, job.id, number - 1)
         keep = list(k.get("keep") or [])
         try:
-            if k.get("in_place") and previous is not None and previous.handle:
-                parts = [self.launcher.restart(p, request) for p in parts_of(previous)[:1]]
+            before = parts_of(previous) if previous is not None else []
+            if k.get("in_place") and len(before) == 1:
+                parts = [self.launcher.restart(before[0], request)]
+            elif k.get("in_place") and previous is not None and before:
+                # A group across launches restarts as one: every node kept, in rank order.
+                every = [n for part in before for n in part.node_ids]
+                parts = self._join_survivors(s, request, previous, every, k)
             elif keep and previous is not None:
                 parts = self._join_survivors(s, request, previous, keep, k)
             else:
@@ -341,11 +346,12 @@ class Reconciler:
                 self.launcher.restart(sub, self._part_request(request, base, len(ids), group))
             )
             base += len(ids)
-        extra = tuple(knobs.get("keep_hosts") or ())
-        fresh = self._part_request(request, base, n - base, group)
-        parts.append(
-            self.launcher.launch(replace(fresh, exclude_hosts=(*request.exclude_hosts, *extra)))
-        )
+        if base < n:
+            extra = tuple(knobs.get("keep_hosts") or ())
+            fresh = self._part_request(request, base, n - base, group)
+            parts.append(
+                self.launcher.launch(replace(fresh, exclude_hosts=(*request.exclude_hosts, *extra)))
+            )
         return parts
 
     @staticmethod

@@ -262,6 +262,46 @@ def test_a_preemption_keeps_the_healthy_node_and_launches_one_replacement_beside
     assert (f"{w.job}-a2-n0",) in w.launcher.downed_nodes  # every part given back at the end
 
 
+def test_a_group_across_two_launches_restarts_in_place_as_one(world):
+    """After a replacement joined a kept node, a transport error restarts both where
+    they are: each launch in place, node ranks and rendezvous as before."""
+    from orchestrator.contract import EventKind
+    from orchestrator.domain import reconcile as rc
+    from orchestrator.domain.failures import FailureClass
+    from orchestrator.store import work
+
+    w = world
+    w.launcher.abilities = LauncherAbilities(
+        restarts_in_place=True, keeps_survivors=True, releases_single_nodes=True
+    )
+    start_running(w)
+    write_checkpoint(w.ckpt, 40)
+    w.agents_up(1, resumed=0, step=40)
+    w.report(1, 1, {"key": "n1", "kind": "preemption_notice", "provider": "aws"})
+    w.tick()
+    for k in range(2):
+        w.report(1, k, {"key": "x", "kind": "node_exit", "exit_code": 75, "reason": "saved"})
+    w.run_until_launched(2)
+    w.recovered(2, 40)
+    with w.sm.begin() as s:
+        work.record_failure(s, w.job, 2, rc.RecordFailure(
+            EventKind.RANK_EXIT, FailureClass.NCCL_TRANSPORT, f"{w.job}-a2-n1",
+            "Connection reset by peer"), w.now)  # fmt: skip
+    for k in range(2):
+        w.report(2, k, {"key": "y", "kind": "node_exit", "exit_code": 1, "reason": "transport"})
+    for _ in range(30):
+        w.tick(5.0)
+        if len(w.launcher.restarted) >= 3:
+            break
+    (_, again_kept, again_joined) = w.launcher.restarted
+    assert [(r.node_rank_base, r.placement.num_nodes) for r in (again_kept, again_joined)] == [
+        (0, 1),
+        (1, 1),
+    ]
+    assert again_joined.env[Env.MASTER_ADDR] == "10.0.0.2"
+    assert len(w.launcher.launched) == 2  # nothing new provisioned
+
+
 def test_a_checkpoint_a_node_cannot_stage_fails_the_job_with_the_node_s_reason(world):
     w = world
     start_running(w)
