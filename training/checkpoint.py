@@ -367,6 +367,8 @@ class Committed:
     world_size: int
     blocking_s: float | None = None
     """How long training was blocked by this save (async: the copy to host memory)."""
+    uploads: tuple[tuple[int, int, float], ...] = ()
+    """(rank, bytes, seconds) of each rank's upload of its own shards (remote stores)."""
 
 
 class Checkpointer:
@@ -429,6 +431,7 @@ class Checkpointer:
         self._thread_step: int | None = None
         self._thread_error: BaseException | None = None
         self.last_blocking_s: float | None = None
+        self.last_uploads: tuple[tuple[int, int, float], ...] = ()
         self.last_committed: Committed | None = None
 
     @property
@@ -486,8 +489,9 @@ class Checkpointer:
         uploaded = self._upload(step)
         self._prune_local(step)
         self.last_committed = Committed(
-            step, step_path(self.root, step), uploaded, self._world, self.last_blocking_s
-        )
+            step, step_path(self.root, step), uploaded, self._world, self.last_blocking_s,
+            self.last_uploads,
+        )  # fmt: skip
         if self.on_commit is not None:
             self.on_commit(self.last_committed)
 
@@ -528,12 +532,15 @@ class Checkpointer:
             if self.durable_uri:
                 return f"{self.durable_uri.rstrip('/')}/{step_dir_name(step)}"
             return None
+        import time
+
         import torch.distributed as dist
 
         from orchestrator.cloud.storage import StorageError, store_for_uri
 
         step_dir = step_path(self.root, step)
         failed = ""
+        sent, t0 = 0, time.perf_counter()
         try:
             store, prefix = store_for_uri(self.upload_uri)
             key = "/".join(p for p in (prefix, step_dir.name) if p)
@@ -542,12 +549,19 @@ class Checkpointer:
                 names.append(".metadata")
             for name in names:
                 store.put_file(str(step_dir / name), f"{key}/{name}")
+                sent += (step_dir / name).stat().st_size
         except (StorageError, OSError) as e:
             failed = f"rank {self._rank}: {e}"
+        mine = (failed, sent, time.perf_counter() - t0)
+        # Each rank's upload rate over its own node's link: what tells a slow link.
+        self.last_uploads = ((self._rank, sent, mine[2]),)
         if self._distributed:
-            errors: list[str | None] = [None] * self._world
-            dist.all_gather_object(errors, failed, group=self._coll_group_or_none())
-            failed = "; ".join(e for e in errors if e)
+            gathered: list[tuple[str, int, float] | None] = [None] * self._world
+            dist.all_gather_object(gathered, mine, group=self._coll_group_or_none())
+            failed = "; ".join(g[0] for g in gathered if g and g[0])
+            self.last_uploads = tuple(
+                (r, int(g[1]), float(g[2])) for r, g in enumerate(gathered) if g
+            )
         if not failed and self._rank == 0:
             try:
                 self._publish(store, key, step_dir)

@@ -44,7 +44,7 @@ MAD_TO_SIGMA = 1.4826
 @dataclass(frozen=True)
 class Finding:
     kind: str
-    """loss_spike | straggler | reference_drift"""
+    """loss_spike | straggler | slow_link | reference_drift"""
     step: int
     """For a spike: its onset step (see :class:`Spike`)."""
     value: float
@@ -186,6 +186,39 @@ def detect_straggler(
             f"rank {slowest} took {step_times[slowest]:.3f}s, median {med:.3f}s ({ratio:.2f}x)",
         )
     return slowest, ratio, finding
+
+
+def detect_slow_link(
+    step: int,
+    uploads: list[tuple[int, int, float]],
+    *,
+    ratio_threshold: float = 4.0,
+    min_extra_s: float = 0.5,
+) -> tuple[int, Finding] | None:
+    """The rank whose checkpoint upload ran far slower than the others', or None.
+
+    ``uploads``: (rank, bytes, seconds) of each rank's own shards to the checkpoint
+    store. A slow link slows every rank's step alike (they all wait in the same
+    all-reduce), so step times cannot tell which node it is; each node's uploads go
+    over its own link, so their rates can. Slow means a rate under the median's
+    ``1/ratio_threshold`` *and* at least ``min_extra_s`` longer than the median rate
+    would have taken (small shards time request latency, not bandwidth)."""
+    rates = [(r, b / s) for r, b, s in uploads if b > 0 and s > 0]
+    if len(rates) < 2:
+        return None
+    med = statistics.median(rate for _r, rate in rates)
+    rank, rate = min(rates, key=lambda x: x[1])
+    nbytes, seconds = next((b, s) for r, b, s in uploads if r == rank)
+    if rate * ratio_threshold > med or seconds - nbytes / med < min_extra_s:
+        return None
+    ratio = med / rate
+    return rank, Finding(
+        "slow_link",
+        step,
+        ratio,
+        f"rank {rank} uploaded its shards at {rate / 1e6:.2f} MB/s, median {med / 1e6:.2f} MB/s "
+        f"({ratio:.1f}x slower: {nbytes} bytes in {seconds:.2f} s)",
+    )
 
 
 def check_reference(

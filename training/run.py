@@ -74,6 +74,7 @@ from training.monitors import (
     SpikeDetector,
     SpikeRule,
     detect_reference_divergence,
+    detect_slow_link,
     detect_straggler,
 )
 from training.progress import ProgressReporter
@@ -929,6 +930,12 @@ class Run:
     # --- reporting --------------------------------------------------------------------
 
     def _on_commit(self, c: Committed) -> None:
+        slow = detect_slow_link(c.step, list(c.uploads)) if self.rank == 0 else None
+        if slow is not None:
+            # Which rank's link is slow, so the service can blame its node.
+            rank, finding = slow
+            self.findings.append(finding)
+            self._anomaly("slow_link", finding.evidence, step=c.step, slow_rank=rank)
         if self.rank == 0:
             self.reporter.send(
                 "checkpoint",

@@ -523,6 +523,7 @@ ANOMALY_FINDINGS = {
     "nan": "nan_divergence",
     "spike": "loss_spike",
     "straggler": "slow_peer",
+    "slow_link": "slow_peer",  # its checkpoint uploads crawl: the node's own link
     "silent_corruption": "silent_corruption",
 }
 

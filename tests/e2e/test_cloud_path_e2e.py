@@ -165,3 +165,22 @@ def test_a_partitioned_node_that_comes_back_after_the_job_moved_on_is_refused(tm
         wait_for(http, job, "the end", lambda st, n, v, step: st == "SUCCEEDED", end)
         assert len(incidents(http, job)) == 1
         assert api_get(http, f"/v1/jobs/{job}")["status"] == "SUCCEEDED"
+
+
+@pytest.mark.long
+def test_a_node_behind_a_slow_link_is_found_by_its_uploads_and_replaced(tmp_path):
+    """tc shapes node 1's link to 2 mbit: every rank's step slows alike (one
+    all-reduce), but node 1's checkpoint uploads crawl; after three such checkpoints
+    its node is replaced beside the healthy one."""
+    with serving(tmp_path, s3=True) as (http, svc):
+        job = submit(http, tmp_path, 140, svc.checkpoint_uri)
+        end = time.monotonic() + 500
+        wait_for(http, job, "step 15", lambda st, n, v, step: v is not None and step >= 15, end)
+        api_post(http, f"/v1/jobs/{job}/chaos", {"action": "slow-link", "node": 1, "rate": "2mbit"})
+        wait_for(http, job, "attempt 2", lambda st, n, v, step: n >= 2 and v is not None, end)
+        (inc,) = incidents(http, job)
+        assert inc["failure_class"] == "slow_peer" and inc["node_id"].endswith("-a1-n1")
+        assert "keep the 1 healthy node" in step_detail(inc, "select_replacement")
+        slow = [e for e in events(http, job) if e["kind"] == "anomaly"]
+        assert slow and all("uploaded its shards" in e["message"] for e in slow)
+        wait_for(http, job, "the end", lambda st, n, v, step: st == "SUCCEEDED", end)

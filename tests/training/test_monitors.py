@@ -12,6 +12,7 @@ from training.monitors import (
     SpikeDetector,
     SpikeRule,
     check_reference,
+    detect_slow_link,
     detect_straggler,
     spike_threshold,
 )
@@ -110,3 +111,33 @@ def test_reference_drift_is_caught():
     assert check_reference(10, 2.5, 2.5) is None
     assert check_reference(10, 2.5001, 2.5) is not None
     assert check_reference(10, math.inf, 2.5) is not None
+
+
+# --- a slow link: told apart by each rank's upload rate, not its step time ---------------
+
+
+def test_the_rank_whose_uploads_crawl_is_named_as_the_slow_link():
+    # 1 MB each: three ranks at ~100 MB/s, rank 2 behind a 5 mbit link (~0.6 MB/s)
+    uploads = [
+        (0, 1_000_000, 0.01),
+        (1, 1_000_000, 0.012),
+        (2, 1_000_000, 1.6),
+        (3, 1_000_000, 0.011),
+    ]
+    found = detect_slow_link(40, uploads)
+    assert found is not None
+    rank, finding = found
+    assert rank == 2 and finding.kind == "slow_link" and finding.value > 100
+    assert "rank 2" in finding.evidence and "1.60 s" in finding.evidence
+
+
+def test_small_shards_that_only_time_request_latency_are_no_slow_link():
+    # 10 KB each: 30 ms against 3 ms is a 10x ratio but 27 ms of latency, not bandwidth
+    uploads = [(0, 10_000, 0.003), (1, 10_000, 0.03)]
+    assert detect_slow_link(40, uploads) is None
+
+
+def test_even_uploads_or_a_single_rank_name_nobody():
+    assert detect_slow_link(40, [(0, 10**6, 0.5), (1, 10**6, 0.6)]) is None
+    assert detect_slow_link(40, [(0, 10**6, 9.0)]) is None
+    assert detect_slow_link(40, [(0, 0, 0.0), (1, 10**6, 0.1)]) is None
