@@ -5,8 +5,11 @@ and test_skypilot_api_server.py, against SkyPilot's API server.)"""
 
 from __future__ import annotations
 
+import json
+import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +33,10 @@ from orchestrator.launchers.skypilot import (
 pytestmark = pytest.mark.filterwarnings("ignore::Warning:sky")
 
 YAMLS = Path(__file__).parent / "yamls"
+ROOT = Path(__file__).resolve().parents[2]
+#: The one command every template's run section ends with: the agent, configured
+#: from the environment (orchestrator/agent/main.py: NodeEnv).
+AGENT_START = "exec python3 -P -m orchestrator.agent --from-env"
 
 P4D = Placement(
     cloud="aws",
@@ -107,7 +114,10 @@ def test_templates_render_into_a_pinned_valid_task(sky, template):
     assert task.secrets["SKYRESUME_AGENT_TOKEN"].get_secret_value() == "tok-123"
     assert "tok-123" not in (task._user_specified_yaml or "")
     assert task.run.lstrip().startswith("set -euo pipefail")
-    assert "exec skyresume-agent" in task.run
+    assert task.run.rstrip().endswith(AGENT_START)
+    # setup installs the agent package the launcher names (the run section runs it)
+    assert env["SKYRESUME_PACKAGE"] == "skyresume"
+    assert '"$SKYRESUME_PACKAGE"' in task.setup
 
 
 def test_gcp_placement_polls_gcp_metadata(sky):
@@ -117,47 +127,73 @@ def test_gcp_placement_polls_gcp_metadata(sky):
     assert task.envs["SKYRESUME_METADATA_URL"] == "http://metadata.google.internal"
 
 
-def _run_section(task, tmp_path: Path, rank: int) -> list[str]:
-    """Run the task's run section in bash as SkyPilot would on node ``rank``, with a
-    fake skyresume-agent on PATH that records its argv and environment."""
+def _run_section(task, tmp_path: Path, rank: int, **node: str) -> dict:
+    """Run the task's run section in bash as SkyPilot would on node ``rank`` of a
+    2-node cluster (``node`` overrides SkyPilot's facts), with the real agent asked
+    for ``--print-config``: what it resolved, as JSON. The ``python3`` on PATH is a
+    wrapper that records the argv and environment the run section gave it, then runs
+    this interpreter with the checkout on PYTHONPATH (standing in for the wheel that
+    setup installs)."""
     bindir = tmp_path / "bin"
     bindir.mkdir(exist_ok=True)
-    agent = bindir / "skyresume-agent"
-    agent.write_text('#!/bin/bash\nprintf "%s\\0" "$@" > "$OUT/argv"\nenv > "$OUT/env"\n')
-    agent.chmod(0o755)
+    # A wrapper, not a symlink: a venv's interpreter finds its site-packages from its
+    # own path.
+    py = bindir / "python3"
+    py.write_text(
+        "#!/bin/bash\n"
+        'printf "%s\\0" "$@" > "$OUT/argv"\n'
+        'env -0 > "$OUT/env"\n'
+        f'exec {shlex.quote(sys.executable)} "$@"\n'
+    )
+    py.chmod(0o755)
     env = {
         "PATH": f"{bindir}:/usr/bin:/bin",
         "HOME": str(tmp_path / "home"),
         "OUT": str(tmp_path),
+        "PYTHONPATH": str(ROOT),
         "SKYPILOT_NODE_RANK": str(rank),
         "SKYPILOT_NODE_IPS": "10.0.0.11\n10.0.0.12",
         "SKYPILOT_NUM_NODES": "2",
         "SKYPILOT_NUM_GPUS_PER_NODE": "8",
+        **node,
         **task.envs,
         **{k: v.get_secret_value() for k, v in task.secrets.items()},
     }
-    subprocess.run(["bash", "-c", task.run], env=env, check=True, timeout=30)
-    return (tmp_path / "argv").read_text().split("\0")[:-1]
+    # The run section as rendered, with the agent asked only to print its configuration.
+    assert task.run.count(AGENT_START) == 1
+    run = task.run.replace(AGENT_START, AGENT_START + " --print-config")
+    out = subprocess.run(
+        ["bash", "-c", run], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads(out.stdout)
+    doc["argv"] = (tmp_path / "argv").read_text().split("\0")[:-1]
+    doc["env"] = dict(
+        item.split("=", 1) for item in (tmp_path / "env").read_text().split("\0") if "=" in item
+    )
+    doc["stdout"] = out.stdout
+    return doc
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_run_section_starts_the_agent_with_skypilots_node_facts(sky, tmp_path):
-    task = build_task(request(command="python train.py --lr '3e-4 warm' --steps 10"), token="tok")
-    argv = _run_section(task, tmp_path, rank=1)
-
-    def opt(name):
-        return argv[argv.index(name) + 1]
-
-    assert opt("--node-rank") == "1" and opt("--nnodes") == "2"
-    assert opt("--nproc-per-node") == "8"
-    assert opt("--master-addr") == "10.0.0.11"  # the first of SKYPILOT_NODE_IPS
-    assert opt("--node-id") == "j-0a1b2c3d4e-a3-n1"
-    assert opt("--job-id") == "j-0a1b2c3d4e" and opt("--attempt") == "3"
-    assert opt("--service-url") == "http://10.0.0.5:8470"
-    assert opt("--provider") == "aws" and opt("--metadata-url") == "http://169.254.169.254"
-    assert opt("--grace-s") == "120"
-    # the user's command after "--", split like shlex.split (quotes kept together)
-    assert argv[argv.index("--") + 1 :] == [
+    task = build_task(
+        request(command="python train.py --lr '3e-4 warm' --steps 10"), token="tok-s3cr3t"
+    )
+    got = _run_section(task, tmp_path, rank=1)
+    cfg = got["config"]
+    # the run section starts the agent, which takes everything from the environment
+    assert got["argv"] == ["-P", "-m", "orchestrator.agent", "--from-env", "--print-config"]
+    assert cfg["node_rank"] == 1 and cfg["nnodes"] == 2
+    assert cfg["nproc_per_node"] == 8 and cfg["expect_gpus"] == 8
+    assert cfg["master_addr"] == "10.0.0.11"  # the first of SKYPILOT_NODE_IPS
+    assert cfg["node_id"] == "j-0a1b2c3d4e-a3-n1"
+    assert cfg["job_id"] == "j-0a1b2c3d4e" and cfg["attempt"] == 3
+    assert cfg["service_url"] == "http://10.0.0.5:8470"
+    assert cfg["provider"] == "aws" and cfg["metadata_url"] == "http://169.254.169.254"
+    assert cfg["grace_s"] == 120.0
+    # the user's command, split like shlex.split (quotes kept together)
+    assert cfg["command"] == [
         "python",
         "train.py",
         "--lr",
@@ -165,37 +201,27 @@ def test_run_section_starts_the_agent_with_skypilots_node_facts(sky, tmp_path):
         "--steps",
         "10",
     ]
-    env = dict(
-        line.split("=", 1) for line in (tmp_path / "env").read_text().splitlines() if "=" in line
-    )
-    assert env[Env.RESUME_FROM] == f"{tmp_path}/home/skyresume/node/staged/step_300"
-    assert env["SKYRESUME_AGENT_TOKEN"] == "tok"  # from secrets, not argv
-    assert "tok" not in argv
+    # {node_disk} in the run context names this node's disk
+    assert got["run_env"][Env.RESUME_FROM] == f"{tmp_path}/home/skyresume/node/staged/step_300"
+    assert got["env"]["SKYRESUME_AGENT_TOKEN"] == "tok-s3cr3t"  # from secrets, not argv
+    assert not any("tok-s3cr3t" in a for a in got["argv"])
+    assert "tok-s3cr3t" not in got["stdout"]  # nor in what the agent prints
 
 
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_cpu_nodes_fall_back_to_ranks_per_node(sky, tmp_path):
     task = build_task(request(), template="gpt-cpu")
-    argv = _run_section_cpu(task, tmp_path)
-    assert argv[argv.index("--nproc-per-node") + 1] == "8"  # ranks_per_node
-
-
-def _run_section_cpu(task, tmp_path):
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "skyresume-agent").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$OUT/argv"\n')
-    (bindir / "skyresume-agent").chmod(0o755)
-    env = {
-        "PATH": f"{bindir}:/usr/bin:/bin",
-        "HOME": str(tmp_path),
-        "OUT": str(tmp_path),
-        "SKYPILOT_NODE_RANK": "0",
-        "SKYPILOT_NODE_IPS": "10.0.0.11",
-        "SKYPILOT_NUM_NODES": "1",
-        "SKYPILOT_NUM_GPUS_PER_NODE": "0",
-        **task.envs,
-    }
-    subprocess.run(["bash", "-c", task.run], env=env, check=True, timeout=30)
-    return (tmp_path / "argv").read_text().splitlines()
+    cfg = _run_section(
+        task,
+        tmp_path,
+        rank=0,
+        SKYPILOT_NODE_IPS="10.0.0.11",
+        SKYPILOT_NUM_NODES="1",
+        SKYPILOT_NUM_GPUS_PER_NODE="0",
+    )["config"]
+    assert cfg["nproc_per_node"] == 8  # ranks_per_node
+    assert cfg["expect_gpus"] == 0  # no GPUs: the GPU check is skipped
+    assert cfg["nnodes"] == 1 and cfg["master_addr"] == "10.0.0.11"
 
 
 def test_user_yaml_any_of_is_kept_and_pinned(sky):
@@ -212,16 +238,19 @@ def test_user_yaml_any_of_is_kept_and_pinned(sky):
     # the user's run, SKYPILOT_* variables and all, becomes the agent's command
     assert task.envs["SKYRESUME_COMMAND"].startswith("bash -c ")
     assert "$SKYPILOT_NODE_RANK" in task.envs["SKYRESUME_COMMAND"]
-    assert "exec skyresume-agent" in task.run
+    # the node's own setup (installing the agent) runs first, and its run starts the agent
+    template = yaml.safe_load((TEMPLATES_DIR / "skypilot-gpu.yaml").read_text())
+    assert task.setup.startswith(template["setup"].rstrip())
+    assert task.run == template["run"] and task.run.rstrip().endswith(AGENT_START)
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_user_run_reaches_the_agent_as_one_bash_command(sky, tmp_path):
     task = build_task_from_user_yaml(YAMLS / "ordered.yaml", request(A2))
-    argv = _run_section(task, tmp_path, rank=0)
-    cmd = argv[argv.index("--") + 1 :]
+    cmd = _run_section(task, tmp_path, rank=0)["config"]["command"]
     assert cmd[:2] == ["bash", "-c"] and len(cmd) == 3
     assert 'echo "node $SKYPILOT_NODE_RANK of $SKYPILOT_NUM_NODES' in cmd[2]
+    assert cmd[2] == sky.Task.from_yaml(str(YAMLS / "ordered.yaml")).run  # the run, as written
 
 
 def test_user_yaml_ordered_becomes_options_in_order(sky):
