@@ -234,6 +234,11 @@ def _local_launcher(settings: Settings, token: str, cleanup: contextlib.ExitStac
         package=package,
         pip_args=settings.pip_args or "--no-index --no-deps",
         storage_env={k: os.environ[k] for k in STORAGE_ENV if os.environ.get(k)},
+        image_env={
+            k: os.environ[k]
+            for k in (n.strip() for n in settings.local_node_env.split(","))
+            if k and k in os.environ and not k.endswith("TOKEN")
+        },
         fabric=fabric,
         network_note=why,
         keep_survivors=settings.local_keep_survivors,

@@ -132,6 +132,10 @@ class Settings(BaseSettings):
     local_subnet: str = ""
     """Their addresses; the first is this machine's on the bridge (the gateway). Empty:
     a /24 of 10.64.0.0/10 picked by the same digest."""
+    local_node_env: str = ""
+    """Comma-separated names of this service's environment variables that local nodes
+    get, as if baked into their image (e.g. ``PATH`` with a tool on it). Nothing else
+    of the service's environment reaches a node: its tokens stay here."""
     local_release_single_nodes: bool = True
     """Whether a lost node of a local launch can be given back alone; false behaves
     like SkyPilot (a cluster goes whole: a kept node's lost peer stays provisioned)."""

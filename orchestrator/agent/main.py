@@ -370,8 +370,12 @@ def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> Age
     gpus = gpus if a.from_env else None
     expect_gpus = a.expect_gpus
     if expect_gpus is None:
+        # The operator's (or image's) explicit expectation wins over the launch's count.
+        explicit = (env.get(hc.EXPECT_GPUS_ENV) or "").strip()
         expect_gpus = (
-            gpus if gpus is not None else int(hc.env_float(dict(env), hc.EXPECT_GPUS_ENV, 0))
+            int(hc.env_float(dict(env), hc.EXPECT_GPUS_ENV, 0))
+            if explicit or gpus is None
+            else gpus
         )
     nproc = a.nproc_per_node
     if nproc is None:

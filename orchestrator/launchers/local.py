@@ -157,6 +157,7 @@ class LocalLauncher:
         network_note: str = "",
         keep_survivors: bool = True,
         release_single_nodes: bool = True,
+        image_env: dict[str, str] | None = None,
     ) -> None:
         if provider not in PROVIDERS:
             raise ValueError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
@@ -190,6 +191,8 @@ class LocalLauncher:
         empty: the agent on the image's PATH is used as it is (no setup install)."""
         self.pip_args = pip_args
         self.storage_env = dict(storage_env or {})
+        self.image_env = dict(image_env or {})
+        """What the nodes' image sets (``SKYRESUME_LOCAL_NODE_ENV``), under the task's envs."""
         self.template = template
         self.network_note = network_note
         """How the nodes are hosts here, for the service's banner (netns or why not)."""
@@ -346,7 +349,10 @@ class LocalLauncher:
             "HOME": str(home),
             "LANG": os.environ.get("LANG", "C.UTF-8"),
             "OMP_NUM_THREADS": "1",
+            **self.image_env,
         }
+        if "PATH" in self.image_env:  # the image's Python stays first on its PATH
+            env["PATH"] = f"{Path(self.python).parent}:{self.image_env['PATH']}"
         env.update({str(k_): str(v) for k_, v in task.envs.items()})
         for k_, v in task.secrets.items():
             env[str(k_)] = v.get_secret_value() if hasattr(v, "get_secret_value") else str(v)

@@ -40,6 +40,9 @@ def test_a_node_whose_health_check_fails_is_replaced_and_never_trained_on(tmp_pa
     env = {
         "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}",
         "SKYRESUME_AGENT_EXPECT_GPUS": "1",  # the agents read it as --expect-gpus
+        # The nodes' "image" has the fake tool and the expectation; nothing else of the
+        # service's environment reaches them.
+        "SKYRESUME_LOCAL_NODE_ENV": "PATH,SKYRESUME_AGENT_EXPECT_GPUS",
     }
     svc = DemoService(tmp_path, env=env)
     try:
