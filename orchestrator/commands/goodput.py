@@ -19,8 +19,8 @@ _STEP_HEADERS = (
     ("signal", "SIGNAL"),
     ("confirm_checkpoint", "CONFIRM"),
     ("select_replacement", "SELECT"),
-    ("stage", "STAGE"),
     ("launch", "LAUNCH"),
+    ("stage", "STAGE"),
     ("validate", "VALIDATE"),
 )
 

@@ -5,7 +5,7 @@ time spent on useful training. Everything else is one of:
 
 * **failure time**: from detection to the first step after recovery, i.e. the
   restart protocol's steps (detect, signal, confirm checkpoint, select replacement,
-  stage, launch, validate); its sum per incident is that incident's MTTR;
+  launch, stage, validate); its sum per incident is that incident's MTTR;
 * **lost work**: steps that had trained but were redone after resuming from an older
   checkpoint (``steps_lost * step_seconds``);
 * **checkpoint time**: what saves blocked training.

@@ -3,7 +3,7 @@
 Each node is a network namespace joined to one bridge by a veth pair:
 
     host (default ns)                          node namespace ``sr-<bridge>-<i>``
-    bridge <bridge>  gateway, e.g. 10.213.0.1   eth0  10.213.0.<i+2>/16, default via gateway
+    bridge <bridge>  gateway, e.g. 10.213.0.1   eth0  <subnet>.<i+2>, default via gateway
       └─ <bridge>v<i>  ── veth ──────────────── lo    127.0.0.1, 169.254.169.254/32
 
 The service, the S3 server and the shared metadata simulator listen on the gateway

@@ -2,9 +2,11 @@
 ``domain.reconcile``), apply the actions. One leader at a time, by a lease row.
 
 The apply side decides nothing: each action has one small executor that carries it
-out against the store or the launcher and, for the actions that do I/O (staging a
-checkpoint, starting nodes), records what happened (a step's outcome, a refused
-launch) for ``decide`` to read on the next tick.
+out against the store or the launcher and, for the actions that do I/O (starting
+nodes, giving them back), records what happened (a launch request, a refused one)
+for ``decide`` to read on the next tick. Launches are requests the launcher answers
+at once and ``decide`` polls (``Launcher.progress``); nothing here waits on one. The
+nodes stage checkpoints themselves: the service never copies one.
 
 Every executor is idempotent against the store: a step row is inserted once and
 finished once, an attempt is recorded once per number, a command is enqueued in the
