@@ -394,8 +394,6 @@ class LocalLauncher:
                 cluster, self.name, tuple(doc["node_ids"]), tuple(doc.get("hosts", ())),
                 str(doc.get("request_id") or ""),
             )  # fmt: skip
-        if not request.command.strip():
-            raise LaunchError("the job has no command to run")
         region = request.placement.region
         if previous is not None and previous.hosts:
             hosts = tuple(previous.hosts)
@@ -420,7 +418,9 @@ class LocalLauncher:
             specs.append(
                 {"node_id": node_id, "env": env, "exec_prefix": prefix, "log_dir": str(d / "logs")}
             )
-        setup = task.setup if previous is None and self.package else None
+        # As ``sky launch``: setup on a fresh launch (it installs the agent, then the
+        # user's own setup); as ``sky exec``: a restart in place runs only ``run``.
+        setup = task.setup if previous is None else None
         state_file = self.root / job / f"{cluster}.state.json"
         spec_file = self.root / job / f"{cluster}.launch.json"
         spec_doc = {

@@ -50,12 +50,20 @@ def _environ(pid: int) -> dict[str, str]:
     return dict(x.decode().split("=", 1) for x in raw if b"=" in x)
 
 
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """This checkout's agent wheel, as the service serves it (a path pip installs from)."""
+    from orchestrator.package import WheelCache
+
+    return str(WheelCache(tmp_path_factory.mktemp("dist")).wheel().path)
+
+
 @pytest.fixture
-def loopback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+def loopback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wheel: str):  # type: ignore[no-untyped-def]
     monkeypatch.setenv("SKYRESUME_TOKEN", "the-operator-token")  # must never reach a node
     launcher = LocalLauncher(
         tmp_path / "nodes", "http://10.255.255.1:9", lambda job: f"agent-token-{job}",
-        provision_delay_s=1.0,
+        provision_delay_s=1.0, package=wheel,
     )  # fmt: skip
     yield launcher
     launcher.close()
@@ -116,11 +124,37 @@ def test_a_failing_setup_fails_the_request_naming_the_node_and_its_log(loopback)
     assert not p.capacity
 
 
-@pytest.mark.skipif(Fabric.unavailable_reason() is not None, reason="needs network namespaces")
-def test_nodes_in_namespaces_are_hosts_of_their_own(tmp_path: Path):
-    launcher = LocalLauncher(
-        tmp_path / "nodes", "http://10.255.255.1:9", lambda job: "t", network="netns"
+def test_a_user_s_own_task_yaml_runs_its_setup_and_hands_its_run_to_the_agent(loopback, tmp_path):
+    task = tmp_path / "task.yaml"
+    task.write_text(
+        'setup: |\n  echo user-setup-ran > "$HOME/marker"\n'
+        "run: |\n  echo rank $SKYPILOT_NODE_RANK of $SKYPILOT_NUM_NODES\n"
     )
+    req = _request("j5", nodes=1)
+    # as the reconciler asks for it: the YAML's run is the command, none of its own
+    req = LaunchRequest(
+        **{**req.__dict__, "command": "", "task": TaskSpec(skypilot_yaml=str(task))}
+    )
+    handle = loopback.launch(req)
+    _wait(loopback, handle, LaunchPhase.UP)
+    try:
+        node = handle.node_ids[0]
+        home = loopback.node_home("j5", node)
+        assert (home / "marker").read_text().strip() == "user-setup-ran"  # after the agent's
+        assert (home / "skyresume" / "pkg" / "orchestrator").is_dir()  # the agent installed
+        env = _environ(int((loopback.node_dir("j5", node) / "agent.pid").read_text()))
+        assert env["SKYRESUME_COMMAND"].startswith("bash -c ")
+        assert "echo rank $SKYPILOT_NODE_RANK" in env["SKYRESUME_COMMAND"]
+    finally:
+        loopback.down(handle)
+
+
+@pytest.mark.skipif(Fabric.unavailable_reason() is not None, reason="needs network namespaces")
+def test_nodes_in_namespaces_are_hosts_of_their_own(tmp_path: Path, wheel: str):
+    launcher = LocalLauncher(
+        tmp_path / "nodes", "http://10.255.255.1:9", lambda job: "t", network="netns",
+        package=wheel,
+    )  # fmt: skip
     try:
         handle = launcher.launch(_request("j4"))
         _wait(launcher, handle, LaunchPhase.UP)
