@@ -120,8 +120,8 @@ def test_job_page_shows_each_incident_with_its_mttr_breakdown(browser_client, se
         "signal: 1.2 s",
         "confirm_checkpoint: 38.0 s",
         "select_replacement: 3.1 s",
-        "stage: 1.6 min",
         "launch: 5.2 min",
+        "stage: 1.6 min",
         "validate: 12.3 s",
     ]
     assert segments[7:] == [
@@ -129,11 +129,11 @@ def test_job_page_shows_each_incident_with_its_mttr_breakdown(browser_client, se
         "signal: 0.0 s",
         "confirm_checkpoint: 2.5 s",
         "select_replacement: 4.0 s",
-        "stage: 1.0 min",
         "launch: 4.0 min",
+        "stage: 1.0 min",
         "validate: 9.5 s",
     ]
-    launch = r'width="([\d.]+)" height="18" fill="#edc948"'  # the launch step's colour
+    launch = r'width="([\d.]+)" height="18" fill="#59a14f"'  # the launch step's colour
     widths = [float(w) for w in re.findall(launch, chart.group(0))]
     assert widths[0] > widths[1]  # the 310 s launch is drawn longer than the 242 s one
     incidents = re.search(r'<table class="incidents">.*?</table>', page, re.S).group(0)

@@ -13,8 +13,8 @@ def test_protocol_has_seven_steps_in_order():
         "signal",
         "confirm_checkpoint",
         "select_replacement",
-        "stage",
-        "launch",
+        "launch",  # a request, polled until the nodes are up
+        "stage",  # each node stages the checkpoint itself, before torchrun starts
         "validate",
     ]
 

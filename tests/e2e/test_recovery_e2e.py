@@ -127,11 +127,17 @@ def test_a_tampered_checkpoint_stops_the_job_with_the_reason_and_nothing_trains_
     s = wait_for(http, job, "the job to fail", lambda st, n, v, step: st == "FAILED", end)
     j = api_get(http, f"/v1/jobs/{job}")
     assert j["status"] == "FAILED"
-    assert f"{newest.name} failed verification" in j["status_reason"]
+    # The new nodes stage it themselves and refuse it, naming the shard; no rank starts.
+    assert f"could not stage {newest.name}" in j["status_reason"]
     assert shard.name in j["status_reason"]
     attempts = api_get(http, f"/v1/jobs/{job}/attempts")["items"]
-    assert len(attempts) == 1, "no attempt may be launched on a corrupt checkpoint"
-    assert s[1] == 1
+    assert attempts[-1]["validated_step"] is None, "nothing trained on a corrupt checkpoint"
+    events = api_get(http, f"/v1/jobs/{job}/events?limit=1000")["items"]
+    last = f"{job}-a{attempts[-1]['number']}-"
+    assert not [e for e in events if e["kind"] == "rank_exit" and e["node_id"].startswith(last)]
+    staged = [e for e in events if e["kind"] == "staged" and e["node_id"].startswith(last)]
+    assert staged and not any(e["details"]["ok"] for e in staged)
+    assert s[0] == "FAILED"
 
 
 def _newest_step(root: Path) -> int:
