@@ -1124,7 +1124,7 @@ def _launch(
         return done + _fail(a, reason)
 
     if a.launched:
-        return _provisioning(s, a, i)
+        return _provisioning(s, a, inc)
     p = a.placement
     last = a.launch_failures[-1] if a.launch_failures else None
     if (
@@ -1175,7 +1175,7 @@ def _launch(
     ]
 
 
-def _provisioning(s: JobSnapshot, a: AttemptView, incident_id: int | None) -> list[Action]:
+def _provisioning(s: JobSnapshot, a: AttemptView, inc: IncidentView | None) -> list[Action]:
     """A launch request is polled, never waited on: up, failed, or still provisioning
     within the spec's timeout (past it, the placement is given up like a stockout)."""
     if a.up_at is not None:
@@ -1184,16 +1184,24 @@ def _provisioning(s: JobSnapshot, a: AttemptView, incident_id: int | None) -> li
     registered = {n.node_rank for n in a.nodes}
     if (p is not None and p.phase is LaunchPhase.UP) or len(registered) >= a.num_nodes:
         done: list[Action] = [MarkProvisioned(a.number, p.hosts if p is not None else ())]
-        if incident_id is not None:
+        if inc is not None:
             waited = _age(s.now, a.requested_at)
+            selected = inc.result(_P.SELECT_REPLACEMENT)
+            kept = len(selected.get("keep") or ())
+            how = (
+                "restarted in place"
+                if selected.get("in_place")
+                else f"{kept} kept, {a.num_nodes - kept} launched beside them"
+                if kept
+                else (a.placement.region if a.placement is not None else "launched")
+            )
             done.append(
                 FinishStep(
-                    incident_id,
+                    inc.event_id,
                     _P.LAUNCH,
                     StepOutcome.OK,
                     f"attempt {a.number}: {a.num_nodes} nodes x {a.ranks_per_node} ranks up "
-                    f"in {waited:.1f} s"
-                    + (f" ({a.placement.region})" if a.placement is not None else ""),
+                    f"in {waited:.1f} s ({how})",
                 )
             )
         return done
