@@ -327,18 +327,19 @@ class LocalLauncher:
     def launch(self, request: LaunchRequest) -> LaunchHandle:
         return self._start(request, None)
 
-    def render(self, request: LaunchRequest) -> Any:
-        """The job's SkyPilot task, rendered exactly as the SkyPilot launcher renders it
-        (one code path: ``skypilot.SkyPilotLauncher.build``)."""
+    def render(self, request: LaunchRequest) -> tuple[dict[str, Any], dict[str, str]]:
+        """(the job's SkyPilot task config, its secrets), rendered exactly as the SkyPilot
+        launcher renders them (one code path: ``SkyPilotLauncher.node_config``)."""
         from orchestrator.launchers.skypilot import SkyPilotLauncher
 
         builder = SkyPilotLauncher(
             token_for=self.token_for, template=self.template, package=self.package
         )
-        return builder.build(request, request.task, pin=False)
+        return builder.node_config(request, request.task)
 
     def _node_env(
-        self, task: Any, request: LaunchRequest, k: int, node_id: str, ips: list[str],
+        self, task: dict[str, Any], secrets: dict[str, str], request: LaunchRequest, k: int,
+        node_id: str, ips: list[str],
         host: Any, master_port: int, cluster: str,
     ) -> dict[str, str]:  # fmt: skip
         """A node's whole environment: a clean image's, the task's envs and secrets,
@@ -353,9 +354,8 @@ class LocalLauncher:
         }
         if "PATH" in self.image_env:  # the image's Python stays first on its PATH
             env["PATH"] = f"{Path(self.python).parent}:{self.image_env['PATH']}"
-        env.update({str(k_): str(v) for k_, v in task.envs.items()})
-        for k_, v in task.secrets.items():
-            env[str(k_)] = v.get_secret_value() if hasattr(v, "get_secret_value") else str(v)
+        env.update({str(k_): str(v) for k_, v in (task.get("envs") or {}).items()})
+        env.update(secrets)
         env.update(self.storage_env)
         env.update(
             {
@@ -401,7 +401,7 @@ class LocalLauncher:
             if region not in self.regions:
                 raise LaunchError(f"no local region {region!r} ({', '.join(self.regions)})")
             hosts = self._hosts_for(region, nodes, request.exclude_hosts)
-        task = self.render(request)
+        task, secrets = self.render(request)
         fabric = self.fabric
         net = [fabric.add_host(h) for h in hosts] if fabric is not None else [None] * nodes
         ips = [h.ip if h is not None else "127.0.0.1" for h in net]
@@ -413,20 +413,22 @@ class LocalLauncher:
             self.metadata.node(node_id)  # the endpoint answers from boot
             if net[k] is not None:
                 fabric.start_metadata(net[k], self.metadata.node_url(node_id), self.python)
-            env = self._node_env(task, request, k, node_id, ips, net[k], master_port, cluster)
+            env = self._node_env(
+                task, secrets, request, k, node_id, ips, net[k], master_port, cluster
+            )
             prefix = fabric.exec_prefix(net[k]) if net[k] is not None else []
             specs.append(
                 {"node_id": node_id, "env": env, "exec_prefix": prefix, "log_dir": str(d / "logs")}
             )
         # As ``sky launch``: setup on a fresh launch (it installs the agent, then the
         # user's own setup); as ``sky exec``: a restart in place runs only ``run``.
-        setup = task.setup if previous is None else None
+        setup = task.get("setup") if previous is None else None
         state_file = self.root / job / f"{cluster}.state.json"
         spec_file = self.root / job / f"{cluster}.launch.json"
         spec_doc = {
             "nodes": specs,
             "setup": setup,
-            "run": task.run,
+            "run": task.get("run") or "",
             "hosts": list(hosts),
             "region": region,
             "instance_type": request.placement.instance_type,

@@ -205,52 +205,43 @@ def _pin(task: Any, request: LaunchRequest, what: str) -> Any:
     return task
 
 
-def build_task(
+def template_config(
     request: LaunchRequest,
     *,
     template: str = DEFAULT_TEMPLATE,
     templates_dir: Path = TEMPLATES_DIR,
-    token: str = "",
     package: str = "skyresume",
-    pin: bool = True,
-) -> Any:
-    """A ``sky.Task`` from a template, rendered with the run's context and pinned to
-    the request's placement (``pin=False``: left unpinned, for a provisioner that
-    is not a SkyPilot cloud). Raises TaskRejected naming what SkyPilot refused."""
+) -> dict[str, Any]:
+    """A template's task config, rendered with the run's context (SkyPilot YAML form,
+    as a dict; no ``sky`` import): what every launcher runs on a node."""
     if not request.command.strip():
         raise TaskRejected("the job has no command to run under the agent")
     path = template_path(template, templates_dir)
-    what = f"template {template!r}"
-    config = load_task_config(path, what=what)
+    config = load_task_config(path, what=f"template {template!r}")
     config["name"] = cluster_name_for(request.job_id, request.attempt)
     envs = {str(k): "" if v is None else str(v) for k, v in (config.get("envs") or {}).items()}
     envs.update(run_envs(request, command=request.command, package=package))
     config["envs"] = envs
-    secrets = {"SKYRESUME_AGENT_TOKEN": token} if token else None
-    task = task_from_config(config, what=what, secrets=secrets)
-    return _pin(task, request, what) if pin else task
+    return config
 
 
-def build_task_from_user_yaml(
+def user_yaml_config(
     path: str | Path,
     request: LaunchRequest,
     *,
-    token: str = "",
     package: str = "skyresume",
     templates_dir: Path = TEMPLATES_DIR,
-    pin: bool = True,
-) -> Any:
-    """A user's own SkyPilot task, kept as written (name, setup, envs, file_mounts,
-    workdir), with its ``run`` handed to the agent as the command and its resources
-    pinned to the planner's choice (which came from those same resources).
+) -> dict[str, Any]:
+    """A user's own SkyPilot task config, kept as written (name, setup, envs,
+    file_mounts, workdir), with its ``run`` handed to the agent as the command: the
+    node's setup (installing the agent) runs first, then the user's; ``resources``
+    and ``num_nodes`` are left for the launcher to pin.
 
     The user's run script runs under the agent as ``bash -c '<run>'`` on every node,
-    with the SKYPILOT_* variables it reads still set by SkyPilot.
-    """
+    with the SKYPILOT_* variables it reads still set."""
     what = f"SkyPilot task {path}"
     user = load_task_config(Path(path), what=what)
-    original = task_from_config(dict(user), what=what)  # refuse what SkyPilot refuses
-    run = original.run
+    run = user.get("run")
     if not isinstance(run, str) or not run.strip():
         raise TaskRejected(f"{what}: it has no run section for the agent to start")
     node = load_task_config(template_path(DEFAULT_TEMPLATE, templates_dir), what="template")
@@ -263,11 +254,46 @@ def build_task_from_user_yaml(
     user_setup = user.get("setup") or ""
     config["setup"] = f"{node['setup'].rstrip()}\n{user_setup}".rstrip() + "\n"
     config["run"] = node["run"]
-    config.pop("resources", None)  # pinned below
+    config.pop("resources", None)  # pinned by the launcher
     config.pop("num_nodes", None)
+    return config
+
+
+def build_task(
+    request: LaunchRequest,
+    *,
+    template: str = DEFAULT_TEMPLATE,
+    templates_dir: Path = TEMPLATES_DIR,
+    token: str = "",
+    package: str = "skyresume",
+) -> Any:
+    """A ``sky.Task`` from a template, rendered with the run's context and pinned to
+    the request's placement. Raises TaskRejected naming what SkyPilot refused."""
+    config = template_config(request, template=template, templates_dir=templates_dir,
+                             package=package)  # fmt: skip
+    what = f"template {template!r}"
     secrets = {"SKYRESUME_AGENT_TOKEN": token} if token else None
     task = task_from_config(config, what=what, secrets=secrets)
-    return _pin(task, request, what) if pin else task
+    return _pin(task, request, what)
+
+
+def build_task_from_user_yaml(
+    path: str | Path,
+    request: LaunchRequest,
+    *,
+    token: str = "",
+    package: str = "skyresume",
+    templates_dir: Path = TEMPLATES_DIR,
+) -> Any:
+    """A user's own SkyPilot task (:func:`user_yaml_config`) as a ``sky.Task`` pinned
+    to the planner's choice (which came from those same resources); SkyPilot refuses
+    what it refuses in the YAML as written."""
+    what = f"SkyPilot task {path}"
+    task_from_config(load_task_config(Path(path), what=what), what=what)
+    config = user_yaml_config(path, request, package=package, templates_dir=templates_dir)
+    secrets = {"SKYRESUME_AGENT_TOKEN": token} if token else None
+    task = task_from_config(config, what=what, secrets=secrets)
+    return _pin(task, request, what)
 
 
 def dry_run(task: Any, cluster_name: str) -> None:
@@ -504,11 +530,8 @@ class SkyPilotLauncher:
 
     # --- the Launcher protocol ---------------------------------------------------
 
-    def build(
-        self, request: LaunchRequest, task: TaskSpec | None = None, *, pin: bool = True
-    ) -> Any:
-        """The job's ``sky.Task`` (``pin=False``: resources left as written; the local
-        provisioner runs the same task without a SkyPilot cloud to pin it to)."""
+    def build(self, request: LaunchRequest, task: TaskSpec | None = None) -> Any:
+        """The job's ``sky.Task``, pinned to the request's placement."""
         task = task or getattr(request, "task", None)
         token = self.token_for(request.job_id)
         if task is not None and task.skypilot_yaml:
@@ -518,7 +541,6 @@ class SkyPilotLauncher:
                 token=token,
                 package=self.package,
                 templates_dir=self.templates_dir,
-                pin=pin,
             )
         template = (task.template if task is not None else None) or self.template
         return build_task(
@@ -527,8 +549,28 @@ class SkyPilotLauncher:
             templates_dir=self.templates_dir,
             token=token,
             package=self.package,
-            pin=pin,
         )
+
+    def node_config(
+        self, request: LaunchRequest, task: TaskSpec | None = None
+    ) -> tuple[dict[str, Any], dict[str, str]]:
+        """(the task config every node runs, its secrets), as :meth:`build` renders
+        them but without SkyPilot (the local provisioner runs the same task)."""
+        task = task or request.task
+        token = self.token_for(request.job_id)
+        if task is not None and task.skypilot_yaml:
+            config = user_yaml_config(
+                task.skypilot_yaml, request, package=self.package, templates_dir=self.templates_dir
+            )
+        else:
+            template = (task.template if task is not None else None) or self.template
+            config = template_config(
+                request, template=template, templates_dir=self.templates_dir, package=self.package
+            )
+        secrets = {str(k): str(v) for k, v in (config.pop("secrets", None) or {}).items()}
+        if token:
+            secrets["SKYRESUME_AGENT_TOKEN"] = token
+        return config, secrets
 
     def launch(self, request: LaunchRequest, task: TaskSpec | None = None) -> LaunchHandle:
         """Submit ``sky.launch`` (a plain cluster: no retry_until_up, no autostop, no
