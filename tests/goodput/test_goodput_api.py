@@ -29,8 +29,8 @@ def test_goodput_reports_the_split_and_each_incidents_breakdown(client, app):
         "signal",
         "confirm_checkpoint",
         "select_replacement",
-        "stage",
         "launch",
+        "stage",
         "validate",
     ]
     assert notice["step_seconds"]["launch"] == pytest.approx(310)

@@ -91,6 +91,7 @@ def test_goodput_agrees_with_the_reconcilers_incident_after_a_lost_node(tmp_path
     assert tick(1) == "PROVISIONING"
     tick(1)  # the attempt is committed first; its nodes start on the next tick
     agents_up(1, resumed=0, step=0)
+    tick(1)  # every node registered: the attempt is up
     assert tick(1) == "RUNNING"
     _checkpoint(ckpt, 20)
     agents_up(1, resumed=0, step=27)
@@ -109,10 +110,21 @@ def test_goodput_agrees_with_the_reconcilers_incident_after_a_lost_node(tmp_path
             now=now,
         )
     for _ in range(30):
-        if tick(5) == "PROVISIONING":
+        tick(5)
+        if any(r.attempt == 2 for r in launcher.launched):
             break
     agents_up(2, resumed=20, step=20)
-    assert tick(3) == "RUNNING"
+    with sm.begin() as s:  # each new node staged step 20 before its ranks started
+        for k in range(2):
+            nid = f"{job}-a2-n{k}"
+            uri = f"file://{ckpt}/step_20"
+            body = {"key": "staged", "kind": "staged", "node_id": nid, "step": 20, "ok": True,
+                    "detail": "", "bytes": 1024, "seconds": 0.2, "uri": uri}  # fmt: skip
+            agents.record_report(s, job, 2, nid, body, now=now)
+    for _ in range(5):
+        if tick(3) == "RUNNING":
+            break
+    assert tick(0) == "RUNNING"
     tick(30)
 
     with sm() as s:

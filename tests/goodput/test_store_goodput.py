@@ -8,6 +8,7 @@ import pytest
 from goodput_history import LOST_STEPS, NOTICE_STEPS, JobHistory, at, two_incident_job
 from sqlalchemy.orm import Session
 
+from orchestrator.domain.protocol import ORDER
 from orchestrator.domain.status import JobStatus
 from orchestrator.store import repo
 from orchestrator.store.db import make_engine, make_sessionmaker
@@ -39,7 +40,7 @@ def test_incident_mttr_is_its_protocol_steps_and_steps_lost_is_last_step_minus_r
     assert (notice.kind, lost.kind) == ("preemption_notice", "node_lost")  # the causes
     assert notice.mttr_seconds == pytest.approx(sum(s for _, s in NOTICE_STEPS))
     assert notice.step_seconds == pytest.approx({str(k): v for k, v in NOTICE_STEPS})
-    assert list(notice.step_seconds) == [str(k) for k, _ in NOTICE_STEPS]  # protocol order
+    assert list(notice.step_seconds) == [str(s) for s in ORDER]  # protocol order
     assert lost.mttr_seconds == pytest.approx(349.0)
     # The emergency save came after the last heartbeat: nothing redone, not -3.
     assert (notice.last_step, notice.resume_step, notice.steps_lost) == (1872, 1875, 0)
