@@ -45,6 +45,16 @@ def _wait(launcher: LocalLauncher, handle, phase: LaunchPhase, timeout: float = 
     raise AssertionError(f"still {launcher.progress(handle)} after {timeout} s")
 
 
+def _gone(job: str, node_ids: tuple[str, ...], within_s: float = 10.0) -> bool:
+    """Nothing of the nodes runs any more (a SIGKILLed process takes a moment to go)."""
+    deadline = time.monotonic() + within_s
+    while any(node_pids(job, n) for n in node_ids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def _environ(pid: int) -> dict[str, str]:
     raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return dict(x.decode().split("=", 1) for x in raw if b"=" in x)
@@ -90,7 +100,7 @@ def test_a_launch_is_a_request_that_provisions_then_runs_the_rendered_task(loopb
             assert node_pids("j1", node)  # the run carries the node's marker
     finally:
         launcher.down(handle)
-    assert not any(node_pids("j1", n) for n in handle.node_ids)
+    assert _gone("j1", handle.node_ids)
 
 
 def test_a_region_stocked_out_while_provisioning_fails_the_accepted_request_for_capacity(
@@ -101,7 +111,7 @@ def test_a_region_stocked_out_while_provisioning_fails_the_accepted_request_for_
     launcher.stockout("local", seconds=60)
     p = _wait_failed(launcher, handle)
     assert p.capacity and "InsufficientInstanceCapacity" in p.detail
-    assert not any(node_pids("j2", n) for n in handle.node_ids)
+    assert _gone("j2", handle.node_ids)
 
 
 def _wait_failed(launcher: LocalLauncher, handle, timeout: float = 30.0):  # type: ignore[no-untyped-def]
