@@ -122,6 +122,9 @@ class LauncherAbilities:
     replacements (another launch) beside them, one group across both."""
     releases_single_nodes: bool = False
     """It can give back one node of a launch (SkyPilot cannot: a cluster goes whole)."""
+    refills_clusters: bool = False
+    """Launching onto the failed attempt's cluster keeps its running nodes and adds only
+    the missing ones, ranks and rendezvous its own (SkyPilot's provisioner does)."""
 
 
 @dataclass(frozen=True)
@@ -881,7 +884,7 @@ def survivors(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> tuple[str, .
     )
     lost.update(n.node_id for n in a.nodes if n.alive is False and not n.exited)
     nodes = [n for n in sorted(a.nodes, key=lambda n: n.node_rank) if n.node_id not in lost]
-    if nodes and not nodes[0].address:
+    if nodes and not nodes[0].address and not s.abilities.refills_clusters:
         return ()  # the group's rendezvous would be a kept node nobody can be told of
     kept = tuple(n.node_id for n in nodes)
     return kept if 0 < len(kept) < a.num_nodes else ()
@@ -916,7 +919,7 @@ def _confirm(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
             f"last step seen {last}; {lost}"
         )
     kept = survivors(s, a, inc)
-    lost = tuple(n.node_id for n in a.nodes if n.node_id not in kept) if kept else ()
+    gone = tuple(n.node_id for n in a.nodes if n.node_id not in kept) if kept else ()
     return [
         FinishStep(
             i,
@@ -931,7 +934,7 @@ def _confirm(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
             a.number,
             f"incident {i}",
             keep_nodes=_in_place(s, inc) or bool(kept),
-            release_nodes=lost,
+            release_nodes=gone,
         ),
     ]
 

@@ -130,6 +130,17 @@ class Launcher(Protocol):
 
 
 @runtime_checkable
+class RefillingLauncher(Launcher, Protocol):
+    """A launcher whose clusters can be refilled (``abilities.refills_clusters``)."""
+
+    def refill(self, previous: LaunchHandle, request: LaunchRequest) -> LaunchHandle:
+        """Launch ``request`` onto the cluster of ``previous``: the nodes still running
+        stay (the healthy ones), only the missing ones are provisioned; a request,
+        polled like a launch."""
+        ...
+
+
+@runtime_checkable
 class ChaosLauncher(Launcher, Protocol):
     """A launcher that can break its own nodes on request (``abilities.chaos``)."""
 

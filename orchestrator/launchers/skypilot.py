@@ -440,7 +440,12 @@ class SkyPilotLauncher:
     name = "skypilot"
     #: A relaunch in place runs the task again on the same cluster (``sky.exec``);
     #: staging happens on the nodes themselves, chaos needs the local launcher.
-    abilities = LauncherAbilities(restarts_in_place=True)
+    #: A lost node is replaced by launching the next attempt onto the same cluster:
+    #: SkyPilot's provisioner keeps the instances still running and starts only the
+    #: missing ones (sky/provision/aws/instance.py run_instances: count - running).
+    abilities = LauncherAbilities(
+        restarts_in_place=True, keeps_survivors=True, refills_clusters=True
+    )
 
     def __init__(
         self,
@@ -628,6 +633,38 @@ class SkyPilotLauncher:
         except Exception as e:
             raise _submit_error(e, f"SkyPilot could not restart on {cluster}") from None
         return LaunchHandle(cluster, self.name, node_ids, previous.hosts, str(rid))
+
+    def refill(self, previous: LaunchHandle, request: LaunchRequest) -> LaunchHandle:
+        """Submit ``sky.launch`` of the new attempt's task onto the previous attempt's
+        cluster: SkyPilot keeps the nodes still running (the healthy ones), provisions
+        only the missing ones, runs setup and then the task on all of them, node ranks
+        and IPs its own. Polled like a launch; idempotent per attempt (the task is
+        named after it)."""
+        p = request.placement
+        where = f"{p.cloud}/{p.region} {p.instance_type}"
+        sky_task = self.build(request, request.task)
+        cluster = previous.cluster_name
+        node_ids = self._node_ids(request)
+        earlier = self._earlier_request(cluster, "sky.launch", task_name=sky_task.name)
+        if earlier:
+            self._placements.setdefault(earlier, where)
+            return LaunchHandle(cluster, self.name, node_ids, request_id=earlier)
+        sky = self.sdk
+        try:
+            rid = _bounded(
+                self.submit_timeout_s,
+                "sky.launch",
+                sky.launch,
+                sky_task,
+                cluster_name=cluster,
+                retry_until_up=False,
+                idle_minutes_to_autostop=None,
+                down=False,
+            )
+        except Exception as e:
+            raise _submit_error(e, f"SkyPilot could not refill {cluster} on {where}") from None
+        self._placements[str(rid)] = where
+        return LaunchHandle(cluster, self.name, node_ids, request_id=str(rid))
 
     def _earlier_request(self, cluster: str, kind: str, *, task_name: str | None) -> str:
         """The id of the newest ``kind`` request SkyPilot holds for ``cluster`` (and,

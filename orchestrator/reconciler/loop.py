@@ -38,6 +38,7 @@ from orchestrator.launchers.base import (
     LaunchError,
     LaunchHandle,
     LaunchRequest,
+    RefillingLauncher,
 )
 from orchestrator.store import repo, work
 from orchestrator.store.models import Attempt
@@ -312,6 +313,9 @@ class Reconciler:
                 # A group across launches restarts as one: every node kept, in rank order.
                 every = [n for part in before for n in part.node_ids]
                 parts = self._join_survivors(s, request, previous, every, k)
+            elif keep and isinstance(self.launcher, RefillingLauncher) and len(before) == 1:
+                # The cloud keeps the running nodes of the cluster and adds the lost ones.
+                parts = [self.launcher.refill(before[0], request)]
             elif keep and previous is not None:
                 parts = self._join_survivors(s, request, previous, keep, k)
             else:

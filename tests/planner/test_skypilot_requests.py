@@ -432,6 +432,22 @@ def test_restart_submits_exec_on_the_cluster_and_is_polled_the_same_way(launcher
     assert launcher.progress(handle).phase is LaunchPhase.UP
 
 
+def test_a_lost_node_is_replaced_by_launching_onto_the_same_cluster(launcher, fake):
+    """SkyPilot's provisioner keeps a cluster's running instances and starts only the
+    missing ones: the next attempt launched onto the failed attempt's cluster keeps
+    the healthy nodes. Named after the attempt, so it is submitted once."""
+    previous = LaunchHandle(CLUSTER, "skypilot", ("j-7-a1-n0", "j-7-a1-n1"), ("h0", "h1"), "r0")
+    handle = launcher.refill(previous, request(attempt=2))
+    ((_, kw),) = fake.submitted("launch")
+    assert kw["cluster_name"] == CLUSTER and kw["retry_until_up"] is False
+    (rid,) = [r for r, v in fake.requests.items() if v["name"] == "sky.launch"]
+    assert rid == handle.request_id
+    assert handle.cluster_name == CLUSTER and handle.node_ids == ("j-7-a2-n0", "j-7-a2-n1")
+    assert launcher.refill(previous, request(attempt=2)) == handle
+    assert len(fake.submitted("launch")) == 1
+    assert launcher.progress(handle).phase is LaunchPhase.PROVISIONING
+
+
 def test_down_submits_the_teardown_and_does_not_wait_for_it(launcher, fake):
     handle = LaunchHandle(CLUSTER, "skypilot")
     launcher.down(handle)

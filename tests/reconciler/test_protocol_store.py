@@ -23,6 +23,7 @@ from orchestrator.contract import (
 from orchestrator.domain.protocol import ProtocolStep
 from orchestrator.domain.reconcile import LauncherAbilities
 from orchestrator.domain.spec import validate_job_spec
+from orchestrator.launchers.base import LaunchHandle
 from orchestrator.reconciler.loop import Reconciler
 from orchestrator.store import agents, db, repo
 from orchestrator.store.incidents import incidents
@@ -260,6 +261,38 @@ def test_a_preemption_keeps_the_healthy_node_and_launches_one_replacement_beside
     w.report(2, 1, {"key": "e", "kind": "node_exit", "exit_code": 0, "reason": "done"})
     w.run_until("SUCCEEDED")
     assert (f"{w.job}-a2-n0",) in w.launcher.downed_nodes  # every part given back at the end
+
+
+def test_on_a_launcher_that_refills_clusters_the_next_attempt_launches_onto_the_same_one(world):
+    """As on SkyPilot: the lost node is not given back alone (it cannot be), the next
+    attempt is launched onto the failed attempt's cluster, which keeps the running
+    node and provisions only the missing one."""
+    w = world
+    refilled: list = []
+
+    def refill(previous, request):  # type: ignore[no-untyped-def]
+        refilled.append((previous, request))
+        return LaunchHandle(previous.cluster_name, "fake", w.launcher._ids(request), (), "rf")
+
+    w.launcher.abilities = LauncherAbilities(
+        restarts_in_place=True, keeps_survivors=True, refills_clusters=True
+    )
+    w.launcher.refill = refill  # type: ignore[attr-defined]
+    start_running(w)
+    write_checkpoint(w.ckpt, 40)
+    w.agents_up(1, resumed=0, step=40)
+    w.report(1, 1, {"key": "n1", "kind": "preemption_notice", "provider": "aws"})
+    w.tick()
+    for k in range(2):
+        w.report(1, k, {"key": "x", "kind": "node_exit", "exit_code": 75, "reason": "saved"})
+    for _ in range(30):
+        w.tick(5.0)
+        if refilled:
+            break
+    ((previous, request),) = refilled
+    assert previous.cluster_name == f"{w.job}-a1" and request.attempt == 2
+    assert request.placement.num_nodes == 2 and request.placement.region == "r1"
+    assert w.launcher.downed == [] and len(w.launcher.launched) == 1  # nothing else
 
 
 def test_a_group_across_two_launches_restarts_in_place_as_one(world):
