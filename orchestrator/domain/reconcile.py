@@ -879,7 +879,11 @@ def survivors(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> tuple[str, .
         if f.node_id
         and (
             f.kind in (EventKind.NODE_LOST, EventKind.PREEMPTION_NOTICE)
-            or (f.failure_class in rm.BLAMES_HOST and f.kind != EventKind.RANK_EXIT)
+            # A straggler report counts only as the cause (three of them open the
+            # incident); one slow window is noise, and names the reporter's node.
+            or (
+                f.failure_class in rm.BLAMES_HOST - {_F.SLOW_PEER} and f.kind != EventKind.RANK_EXIT
+            )
         )
     )
     lost.update(n.node_id for n in a.nodes if n.alive is False and not n.exited)

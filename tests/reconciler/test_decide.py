@@ -310,6 +310,14 @@ def test_a_survivor_whose_ranks_died_of_the_lost_peer_is_still_kept():
     assert release.release_nodes == ("j-a1-n1",)
 
 
+def test_an_earlier_straggler_report_does_not_take_a_healthy_node_out():
+    noise = rc.Failure(3, "anomaly", F.SLOW_PEER, ago(60), node_id="j-a1-n0", rank=0)
+    s = _preempted_n1(F.NODE_LOST, failures=(noise,))
+    s = replace(s, listing=rc.CheckpointListing("file:///ckpt", (40,), {40: "d"}))
+    (_, _, release) = rc.decide(s)
+    assert release.release_nodes == ("j-a1-n1",)
+
+
 def test_without_a_launcher_that_keeps_survivors_every_node_is_relaunched():
     s = _preempted_n1(abilities=rc.LauncherAbilities(restarts_in_place=True))
     s = replace(s, listing=rc.CheckpointListing("file:///ckpt", (40,), {40: "d"}))
