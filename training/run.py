@@ -311,6 +311,7 @@ class Run:
         self.checkpoint_every = config.checkpoint_every
         self.resumed_digest: str | None = None
         self.last_straggler: tuple[int, float] | None = None
+        self._uploads_seen = 0
         """(slowest rank, its compute time over the median) at the last share."""
         self.findings: list[Finding] = []
         self.reporter = ProgressReporter(config.progress_addr, rank=self.rank)
@@ -930,7 +931,10 @@ class Run:
     # --- reporting --------------------------------------------------------------------
 
     def _on_commit(self, c: Committed) -> None:
-        slow = detect_slow_link(c.step, list(c.uploads)) if self.rank == 0 else None
+        self._uploads_seen += 1
+        # A run's first upload times its clients' first connections, not the links.
+        first = self._uploads_seen == 1
+        slow = detect_slow_link(c.step, list(c.uploads)) if self.rank == 0 and not first else None
         if slow is not None:
             # Which rank's link is slow, so the service can blame its node.
             rank, finding = slow

@@ -181,6 +181,8 @@ def test_a_node_behind_a_slow_link_is_found_by_its_uploads_and_replaced(tmp_path
         (inc,) = incidents(http, job)
         assert inc["failure_class"] == "slow_peer" and inc["node_id"].endswith("-a1-n1")
         assert "keep the 1 healthy node" in step_detail(inc, "select_replacement")
-        slow = [e for e in events(http, job) if e["kind"] == "anomaly"]
-        assert slow and all("uploaded its shards" in e["message"] for e in slow)
+        found = [e["details"]["detail"] for e in events(http, job) if e["kind"] == "anomaly"]
+        links = [d for d in found if d.get("kind") == "slow_link"]
+        assert links and all(d["slow_rank"] in (2, 3) for d in links)  # node 1's ranks
+        assert "uploaded its shards" in links[0]["detail"]
         wait_for(http, job, "the end", lambda st, n, v, step: st == "SUCCEEDED", end)
