@@ -306,16 +306,40 @@ class LocalLauncher:
         tmp.write_text(json.dumps(doc))
         os.replace(tmp, self._stockout_file())
 
+    def _allocation_file(self) -> Path:
+        return self.root / "hosts.json"
+
+    def _allocated(self) -> dict[str, str]:
+        """host -> the launch holding it: a host is taken from launch until it is given
+        back (down), whatever runs on it (a cut-off node still holds its machine)."""
+        doc = read_json(self._allocation_file())
+        return {str(h): str(c) for h, c in doc.items()}
+
+    def _set_allocation(self, hosts: tuple[str, ...], cluster: str | None) -> None:
+        with self._lock:
+            doc = self._allocated()
+            for h in hosts:
+                if cluster is None:
+                    doc.pop(h, None)
+                else:
+                    doc[h] = cluster
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = self._allocation_file().with_suffix(".tmp")
+            tmp.write_text(json.dumps(doc))
+            os.replace(tmp, self._allocation_file())
+
     def _hosts_for(self, region: str, count: int, exclude: tuple[str, ...]) -> tuple[str, ...]:
+        taken = self._allocated()
         free = [
             h
             for h in (f"{region}-host{i}" for i in range(self.hosts_per_region))
-            if h not in exclude
+            if h not in exclude and h not in taken
         ]
         if len(free) < count:
             raise CapacityError(
-                f"InsufficientInstanceCapacity: local region {region} has {len(free)} usable "
-                f"hosts for {count} nodes (excluded: {', '.join(exclude) or 'none'})"
+                f"InsufficientInstanceCapacity: local region {region} has {len(free)} free "
+                f"hosts for {count} nodes (excluded: {', '.join(exclude) or 'none'}; "
+                f"{sum(1 for h in taken if h.startswith(region + '-'))} taken)"
             )
         return tuple(free[:count])
 
@@ -455,6 +479,7 @@ class LocalLauncher:
             log.close()
         with self._lock:
             self._procs[cluster] = boot
+        self._set_allocation(hosts, cluster)  # the machines are this launch's now
         request_id = f"local-{cluster}-{boot.pid}"
         meta.write_text(
             json.dumps(
@@ -536,6 +561,7 @@ class LocalLauncher:
             for h in handle.hosts:  # the VM is gone: its address and link with it
                 with contextlib.suppress(Exception):
                     fabric.remove_host(h)
+        self._set_allocation(tuple(handle.hosts), None)
 
     # --- chaos (local only) ------------------------------------------------------------
 

@@ -6,6 +6,7 @@ the gpt-cpu template), network namespaces where we are root."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -183,3 +184,32 @@ def test_nodes_in_namespaces_are_hosts_of_their_own(tmp_path: Path, wheel: str):
         fabric = launcher.fabric
         launcher.close()
         fabric.teardown()
+
+
+def test_a_host_is_never_handed_out_twice_until_it_is_given_back(tmp_path: Path, wheel: str):
+    """A cut-off node that was not given back still holds its machine: a replacement
+    must land on another one, as a cloud gives a fresh VM."""
+    from orchestrator.launchers.base import CapacityError
+
+    launcher = LocalLauncher(
+        tmp_path / "nodes", "http://10.255.255.1:9", lambda job: "t", package=wheel,
+        hosts_per_region=1,
+    )  # fmt: skip
+    try:
+        first = launcher.launch(_request("j6", nodes=1))
+        assert first.hosts == ("local-host0",)
+        with pytest.raises(CapacityError, match="0 free hosts for 1 nodes"):
+            launcher.launch(_request("j7", nodes=1))
+        launcher.down(first)
+        assert launcher.launch(_request("j7", nodes=1)).hosts == ("local-host0",)
+    finally:
+        for job in ("j6", "j7"):
+            with contextlib.suppress(Exception):
+                launcher.down(launcher_handle(launcher, job))
+        launcher.close()
+
+
+def launcher_handle(launcher: LocalLauncher, job: str):  # type: ignore[no-untyped-def]
+    from orchestrator.launchers.base import LaunchHandle
+
+    return LaunchHandle(f"{job}-a1", "local", (f"{job}-a1-n0",), ("local-host0",))
