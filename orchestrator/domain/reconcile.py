@@ -183,14 +183,17 @@ class LaunchPhase(StrEnum):
 
 
 @dataclass(frozen=True)
-class ProvisionView:
-    """The launcher's answer about the attempt's launch request, read while it is not
-    up yet."""
+class LaunchProgress:
+    """Where a launch request is (``Launcher.progress``). A launch takes minutes on a
+    cloud and can fail after it was accepted; the reconciler polls this instead of
+    waiting on it."""
 
     phase: LaunchPhase
     detail: str = ""
     capacity: bool = False
+    """FAILED for want of capacity or quota (a stockout): the job re-plans."""
     hosts: tuple[str, ...] = ()
+    """The host of each node once known (UP), in node order."""
 
 
 @dataclass(frozen=True)
@@ -229,7 +232,7 @@ class AttemptView:
     up_at: datetime | None = None
     """When the launcher reported every node up (the register timeout counts from it);
     None while provisioning."""
-    provision: ProvisionView | None = None
+    provision: LaunchProgress | None = None
     """The launch request's progress, read while launched and not up."""
     staged: tuple[StagedView, ...] = ()
     """The nodes' staging reports for this attempt."""

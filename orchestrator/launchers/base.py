@@ -14,10 +14,10 @@ from typing import Any, Protocol, runtime_checkable
 
 from orchestrator.domain.plan import Placement
 from orchestrator.domain.planner import Candidate
-from orchestrator.domain.reconcile import LauncherAbilities, LaunchPhase
+from orchestrator.domain.reconcile import LauncherAbilities, LaunchPhase, LaunchProgress
 from orchestrator.domain.spec import JobSpec, TaskSpec
 
-__all__ = ["Candidate", "LaunchPhase", "LauncherAbilities"]
+__all__ = ["Candidate", "LaunchPhase", "LaunchProgress", "LauncherAbilities"]
 
 
 class ClusterState(StrEnum):
@@ -64,19 +64,6 @@ class LaunchHandle:
     request_id: str = ""
     """The provider's id for the launch request (SkyPilot's request id; the local
     provisioner's own), which :meth:`Launcher.progress` polls."""
-
-
-@dataclass(frozen=True)
-class LaunchProgress:
-    """Where a launch request is. A launch takes minutes on a cloud and can fail
-    after it was accepted; the reconciler polls this instead of waiting on it."""
-
-    phase: LaunchPhase
-    detail: str = ""
-    capacity: bool = False
-    """FAILED for want of capacity or quota (a stockout): the job re-plans."""
-    hosts: tuple[str, ...] = ()
-    """The host of each node once known (UP), in node order."""
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,7 @@ def _when(h: dict[str, Any] | None, key: str) -> datetime | None:
         return None
 
 
-def _progress(launcher: Launcher, parts: list[LaunchHandle], job_id: str) -> rc.ProvisionView:
+def _progress(launcher: Launcher, parts: list[LaunchHandle], job_id: str) -> rc.LaunchProgress:
     """Every part's request, as one: up when all are, failed when one failed."""
     views = []
     for handle in parts:
@@ -109,18 +109,16 @@ def _progress(launcher: Launcher, parts: list[LaunchHandle], job_id: str) -> rc.
             p = launcher.progress(handle)
         except Exception as e:  # the protocol says never raise; one that does is unread
             log.exception("job %s: launcher progress failed", job_id)
-            return rc.ProvisionView(rc.LaunchPhase.UNKNOWN, f"{type(e).__name__}: {e}")
-        views.append(
-            rc.ProvisionView(rc.LaunchPhase(p.phase), p.detail, p.capacity, tuple(p.hosts))
-        )
+            return rc.LaunchProgress(rc.LaunchPhase.UNKNOWN, f"{type(e).__name__}: {e}")
+        views.append(p)
     failed = next((v for v in views if v.phase is rc.LaunchPhase.FAILED), None)
     if failed is not None:
         return failed
     if views and all(v.phase is rc.LaunchPhase.UP for v in views):
         hosts = tuple(h for v in views for h in v.hosts)
-        return rc.ProvisionView(rc.LaunchPhase.UP, hosts=hosts)
+        return rc.LaunchProgress(rc.LaunchPhase.UP, hosts=hosts)
     waiting = [v for v in views if v.phase is not rc.LaunchPhase.UP]
-    return waiting[0] if waiting else rc.ProvisionView(rc.LaunchPhase.UNKNOWN, "no launch")
+    return waiting[0] if waiting else rc.LaunchProgress(rc.LaunchPhase.UNKNOWN, "no launch")
 
 
 def placement_of(a: Attempt) -> Placement:

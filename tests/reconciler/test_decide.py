@@ -363,7 +363,7 @@ def test_launch_records_what_select_chose_and_the_node_stages_the_remote_checkpo
     assert not rec.resume_from.startswith("s3://")  # never a remote URI as a path
 
 
-def _provisioning(progress: rc.ProvisionView | None, *, requested: float, nodes=()):
+def _provisioning(progress: rc.LaunchProgress | None, *, requested: float, nodes=()):
     steps = {**_selected_steps(), P.LAUNCH: rc.StepView(ago(requested))}
     a2 = attempt(
         2, validated=None, expected=40, nodes=nodes, started=requested, state="launching",
@@ -373,28 +373,28 @@ def _provisioning(progress: rc.ProvisionView | None, *, requested: float, nodes=
 
 
 def test_a_launch_still_provisioning_is_polled_not_failed_even_past_the_register_timeout():
-    slow = rc.ProvisionView(rc.LaunchPhase.PROVISIONING, "INIT")
+    slow = rc.LaunchProgress(rc.LaunchPhase.PROVISIONING, "INIT")
     assert rc.decide(_provisioning(slow, requested=400.0)) == []  # 180 s register timeout
-    unread = rc.ProvisionView(rc.LaunchPhase.UNKNOWN, "API server unreachable")
+    unread = rc.LaunchProgress(rc.LaunchPhase.UNKNOWN, "API server unreachable")
     assert rc.decide(_provisioning(unread, requested=400.0)) == []
 
 
 def test_a_launch_that_is_up_finishes_launch_and_starts_the_register_clock():
-    up = rc.ProvisionView(rc.LaunchPhase.UP, hosts=("10.0.0.2", "10.0.0.3"))
+    up = rc.LaunchProgress(rc.LaunchPhase.UP, hosts=("10.0.0.2", "10.0.0.3"))
     (mark, fin) = rc.decide(_provisioning(up, requested=300.0))
     assert mark == rc.MarkProvisioned(2, ("10.0.0.2", "10.0.0.3"))
     assert fin.step is P.LAUNCH and fin.outcome is O.OK and "up in 300.0 s" in fin.detail
 
 
 def test_a_launch_request_that_failed_in_the_provider_is_recorded_as_a_refused_launch():
-    gone = rc.ProvisionView(rc.LaunchPhase.FAILED, "ResourcesUnavailableError: r1", capacity=True)
+    gone = rc.LaunchProgress(rc.LaunchPhase.FAILED, "ResourcesUnavailableError: r1", capacity=True)
     assert rc.decide(_provisioning(gone, requested=30.0)) == [
         rc.LaunchRequestFailed(2, "ResourcesUnavailableError: r1", True)
     ]
 
 
 def test_a_launch_past_the_provisioning_timeout_is_given_up_like_a_stockout():
-    slow = rc.ProvisionView(rc.LaunchPhase.PROVISIONING, "INIT")
+    slow = rc.LaunchProgress(rc.LaunchPhase.PROVISIONING, "INIT")
     (failed,) = rc.decide(_provisioning(slow, requested=901.0))
     assert isinstance(failed, rc.LaunchRequestFailed) and failed.capacity
     assert "provision_timeout_s 900" in failed.detail

@@ -228,11 +228,8 @@ def test_a_lost_node_stops_the_survivors_and_resumes_from_the_last_periodic_chec
     assert inc["failure_class"] == "node_lost" and inc["steps_lost"] == 7
 
 
-def test_a_preemption_keeps_the_healthy_node_and_launches_one_replacement_beside_it(world):
-    w = world
-    w.launcher.abilities = LauncherAbilities(
-        restarts_in_place=True, keeps_survivors=True, releases_single_nodes=True
-    )
+def preempt_node_1_after_a_save_at_40(w: World) -> None:
+    """Attempt 1 runs, saves step 40, node 1 gets a notice, every rank saves and exits."""
     start_running(w)
     write_checkpoint(w.ckpt, 40)
     w.agents_up(1, resumed=0, step=40)
@@ -240,6 +237,14 @@ def test_a_preemption_keeps_the_healthy_node_and_launches_one_replacement_beside
     w.tick()
     for k in range(2):
         w.report(1, k, {"key": "x", "kind": "node_exit", "exit_code": 75, "reason": "saved"})
+
+
+def test_a_preemption_keeps_the_healthy_node_and_launches_one_replacement_beside_it(world):
+    w = world
+    w.launcher.abilities = LauncherAbilities(
+        restarts_in_place=True, keeps_survivors=True, releases_single_nodes=True
+    )
+    preempt_node_1_after_a_save_at_40(w)
     w.run_until_launched(2)
     # only the lost node was given back; the healthy one stayed provisioned
     assert w.launcher.downed_nodes == [(f"{w.job}-a1-n1",)]
@@ -278,13 +283,7 @@ def test_on_a_launcher_that_refills_clusters_the_next_attempt_launches_onto_the_
         restarts_in_place=True, keeps_survivors=True, refills_clusters=True
     )
     w.launcher.refill = refill  # type: ignore[attr-defined]
-    start_running(w)
-    write_checkpoint(w.ckpt, 40)
-    w.agents_up(1, resumed=0, step=40)
-    w.report(1, 1, {"key": "n1", "kind": "preemption_notice", "provider": "aws"})
-    w.tick()
-    for k in range(2):
-        w.report(1, k, {"key": "x", "kind": "node_exit", "exit_code": 75, "reason": "saved"})
+    preempt_node_1_after_a_save_at_40(w)
     for _ in range(30):
         w.tick(5.0)
         if refilled:
@@ -307,13 +306,7 @@ def test_a_group_across_two_launches_restarts_in_place_as_one(world):
     w.launcher.abilities = LauncherAbilities(
         restarts_in_place=True, keeps_survivors=True, releases_single_nodes=True
     )
-    start_running(w)
-    write_checkpoint(w.ckpt, 40)
-    w.agents_up(1, resumed=0, step=40)
-    w.report(1, 1, {"key": "n1", "kind": "preemption_notice", "provider": "aws"})
-    w.tick()
-    for k in range(2):
-        w.report(1, k, {"key": "x", "kind": "node_exit", "exit_code": 75, "reason": "saved"})
+    preempt_node_1_after_a_save_at_40(w)
     w.run_until_launched(2)
     w.recovered(2, 40)
     with w.sm.begin() as s:
