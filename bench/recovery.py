@@ -380,6 +380,9 @@ def node_kill_incident(tmp: Path, deadline: float, env: dict[str, str]) -> dict:
         http = svc.wait_ready()
         job = api_post(http, "/v1/jobs", job_spec(tmp, 2000, svc.checkpoint_uri))["id"]
         s = wait_for(http, job, "step 25", lambda st, n, v, x: v is not None and x >= 25, deadline)
+        if s[0] != "RUNNING":
+            j = api_get(http, f"/v1/jobs/{job}")
+            raise RuntimeError(f"job {job} is {j['status']}: {j.get('status_reason')}")
         api_post(http, f"/v1/jobs/{job}/chaos", {"action": "kill-node", "node": 1})
         wait_for(http, job, "recovery", lambda st, n, v, x: n > s[1] and v is not None, deadline)
         inc = api_get(http, f"/v1/jobs/{job}/incidents")["items"][0]

@@ -106,6 +106,10 @@ class ReconcileConfig:
     backoff_base_s: float = 5.0
     """First wait before a relaunch in place or a launch retry; doubles per try."""
     backoff_cap_s: float = 300.0
+    launch_retries: int = 2
+    """A launch that failed for another reason than capacity (a node's setup that
+    could not fetch a package, a provider's transient error) is tried again this many
+    times on the same placement, after a backoff, before the job fails with it."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +175,8 @@ class LaunchFailure:
     capacity: bool
     """A capacity or quota refusal: another region or type may well work."""
     message: str = ""
+    retryable: bool = True
+    """False when the task itself was refused: trying it again cannot help."""
 
 
 class LaunchPhase(StrEnum):
@@ -1159,7 +1165,15 @@ def _launch(
                 return []
         return [StartNodes(a.number, i)]
     if not last.capacity:
-        return fail(f"launch failed: {last.message}")
+        same = [f for f in a.launch_failures if not f.capacity]
+        if not last.retryable:
+            return fail(f"launch failed: {last.message}")
+        if len(same) > cfg.launch_retries:
+            return fail(f"launch failed {len(same)} times: {last.message}")
+        wait = rm.backoff_s(s.job_id, len(same), base_s=cfg.backoff_base_s, cap_s=cfg.backoff_cap_s)
+        if _age(s.now, last.at) < wait:
+            return []
+        return [StartNodes(a.number, i)]
     tried = ", ".join(f"{f.cloud}/{f.region}/{f.instance_type}" for f in a.launch_failures)
     if s.candidates is None:
         return fail(f"launch failed: {last.message}; no other placement: {s.candidates_error}")

@@ -77,6 +77,11 @@ class LaunchError(RuntimeError):
     """The provider refused or failed the launch; the message says which constraint."""
 
 
+class TaskRejected(LaunchError):
+    """The task itself was refused (bad YAML, unknown field, invalid resources): the
+    same task would be refused again, so it is never retried."""
+
+
 class CapacityError(LaunchError):
     """The provider had no capacity or quota for this placement (a stockout): another
     region or instance type may well work, so the job re-plans instead of failing."""

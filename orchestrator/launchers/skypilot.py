@@ -61,6 +61,7 @@ from orchestrator.launchers.base import (
     LaunchPhase,
     LaunchProgress,
     LaunchRequest,
+    TaskRejected,
 )
 
 TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "task_templates"
@@ -75,10 +76,6 @@ METADATA_URLS = {
 
 #: SkyPilot's cluster-name rule, and a length every cloud accepts.
 _CLUSTER_NAME_MAX = 35
-
-
-class TaskRejected(LaunchError):
-    """SkyPilot refused the task (bad YAML, unknown field, invalid resources)."""
 
 
 def cluster_name_for(job_id: str, attempt: int) -> str:

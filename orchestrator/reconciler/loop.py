@@ -39,6 +39,7 @@ from orchestrator.launchers.base import (
     LaunchHandle,
     LaunchRequest,
     RefillingLauncher,
+    TaskRejected,
 )
 from orchestrator.store import repo, work
 from orchestrator.store.models import Attempt
@@ -322,8 +323,9 @@ class Reconciler:
                 parts = [self.launcher.launch(request)]
         except LaunchError as e:
             work.record_launch_failure(
-                s, job.id, number, placement, str(e), capacity=isinstance(e, CapacityError), now=now
-            )
+                s, job.id, number, placement, str(e), capacity=isinstance(e, CapacityError),
+                now=now, retryable=not isinstance(e, TaskRejected),
+            )  # fmt: skip
             return
         work.attempt_started(s, a, parts, now)
 

@@ -331,6 +331,7 @@ def _attempt_view(
             instance_type=str((e.details or {}).get("instance_type", "")),
             capacity=bool((e.details or {}).get("capacity")),
             message=e.message or "",
+            retryable=(e.details or {}).get("retryable", True) is not False,
         )
         for e in s.scalars(
             select(FailureEvent)

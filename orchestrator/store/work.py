@@ -266,6 +266,7 @@ def record_launch_failure(
     *,
     capacity: bool,
     now: datetime,
+    retryable: bool = True,
 ) -> None:
     tries = s.scalars(
         select(FailureEvent).where(
@@ -285,6 +286,7 @@ def record_launch_failure(
             "region": p.region,
             "instance_type": p.instance_type,
             "capacity": capacity,
+            "retryable": retryable,
         },
         now=now,
     )

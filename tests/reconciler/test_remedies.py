@@ -246,11 +246,27 @@ def test_a_stockout_everywhere_fails_the_job_listing_what_was_tried():
     assert "r2" in out[0].reason
 
 
-def test_a_launch_refused_for_another_reason_fails_at_once():
-    fails = (rc.LaunchFailure(ago(1), "fake", "r1", "cpu", capacity=False, message="bad image"),)
+def test_a_launch_refused_for_another_reason_is_retried_then_fails_naming_it():
+    def failed(n: int) -> rc.AttemptView:
+        fails = tuple(
+            rc.LaunchFailure(ago(60), "fake", "r1", "cpu", capacity=False, message="bad image")
+            for _ in range(n)
+        )
+        return attempt(validated=None, launched=False, state="launching", nodes=(),
+                       launch_failures=fails)  # fmt: skip
+
+    # a transient failure (a package fetch that timed out) gets another try, after a wait
+    assert rc.decide(snap(status=S.PROVISIONING, attempt=failed(1))) == [rc.StartNodes(1, None)]
+    assert rc.decide(snap(status=S.PROVISIONING, attempt=failed(2))) == [rc.StartNodes(1, None)]
+    out = rc.decide(snap(status=S.PROVISIONING, attempt=failed(3)))  # past launch_retries
+    assert out[0].status is S.FAILED and "launch failed 3 times: bad image" in out[0].reason
+
+
+def test_a_task_the_provider_refused_fails_at_once_it_would_be_refused_again():
+    fails = (rc.LaunchFailure(ago(60), "fake", "r1", "cpu", False, "bad YAML", retryable=False),)
     a = attempt(validated=None, launched=False, state="launching", nodes=(), launch_failures=fails)
     out = rc.decide(snap(status=S.PROVISIONING, attempt=a))
-    assert out[0].status is S.FAILED and "bad image" in out[0].reason
+    assert out[0].status is S.FAILED and "bad YAML" in out[0].reason
 
 
 def test_capacity_cools_only_that_instance_type_in_that_region():
