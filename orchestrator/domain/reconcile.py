@@ -835,9 +835,27 @@ def _signal(
             args["save"] = False  # the ranks hold the diverged state: never save it
         return [SendCommand(inc.attempt, CommandType.STOP, args)]
     waited = _age(s.now, view.started_at)
-    if _all_stopped(a):
+    # A node silent past the heartbeat timeout cannot hear the command (cut off, or
+    # gone): waiting out its grace would only idle the others.
+    silent = [
+        n.node_id
+        for n in a.nodes
+        if not (n.exited or n.alive is False)
+        and _age(s.now, n.last_heartbeat_at) > s.heartbeat_timeout_s
+    ]
+    if _all_stopped(a) or (
+        silent and all(n.exited or n.alive is False or n.node_id in silent for n in a.nodes)
+    ):
         how = "saved and stopped" if inc.failure_class in SAVE_CLASSES else "stopped"
-        return [FinishStep(i, step, StepOutcome.OK, f"every rank {how} ({waited:.1f} s)")]
+        unheard = f"; not waited for, silent past the heartbeat timeout: {', '.join(silent)}"
+        return [
+            FinishStep(
+                i,
+                step,
+                StepOutcome.OK,
+                f"every rank {how} ({waited:.1f} s)" + (unheard if silent else ""),
+            )
+        ]
     if waited > s.grace_s + cfg.signal_slack_s:
         left = [n.node_id for n in a.nodes if not (n.exited or n.alive is False)]
         return [

@@ -227,6 +227,19 @@ def test_signal_waits_for_every_node_then_finishes():
     assert out.step is P.SIGNAL and out.outcome is O.OK
 
 
+def test_signal_does_not_wait_out_the_grace_of_a_node_that_cannot_hear_it():
+    """A cut-off node (alive, silent past the heartbeat timeout) never gets the stop:
+    once the others stopped, SIGNAL ends instead of idling them for its grace."""
+    started = {**done(P.DETECT), P.SIGNAL: rc.StepView(ago(3))}
+    a = attempt(nodes=(node(0, exited=True, exit_code=75), node(1, hb=40.0)), state="stopping")
+    (out,) = rc.decide(snap(status=S.RECOVERING, incident=incident(started), attempt=a))
+    assert out.step is P.SIGNAL and out.outcome is O.OK
+    assert "not waited for, silent past the heartbeat timeout: j-a1-n1" in out.detail
+    # a node that still talks is waited for, whatever the other did
+    a = attempt(nodes=(node(0, exited=True, exit_code=75), node(1, hb=1.0)), state="stopping")
+    assert rc.decide(snap(status=S.RECOVERING, incident=incident(started), attempt=a)) == []
+
+
 def test_signal_gives_up_waiting_after_the_grace_period_and_names_who_was_left():
     started = {**done(P.DETECT), P.SIGNAL: rc.StepView(ago(76))}
     (out,) = rc.decide(snap(status=S.RECOVERING, incident=incident(started)))
