@@ -1446,8 +1446,8 @@ def main(argv: list[str] | None = None) -> None:
         # retry or act on, as before.
         try:
             agent._register()
-        except AgentRefused:
-            pass
+        except AgentRefused:  # kept in agent.refused by _register; acted on below
+            assert agent.refused is not None
         except (Unreachable, Superseded) as e:
             log.warning("first register: %s (the heartbeat thread retries)", e)
     if agent.refused is None:
