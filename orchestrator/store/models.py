@@ -163,6 +163,8 @@ class Lease(Base):
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     holder: Mapped[str] = mapped_column(String(128))
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    epoch: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    """Grows by one each time the lease changes holder: the fencing token."""
 
 
 class Checkpoint(Base):
