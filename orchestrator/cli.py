@@ -103,7 +103,7 @@ def serve(
         service = server.build_service(settings)
     except server.DatabaseError as e:
         fail(f"cannot open the database {url}: {e}")
-    except (server.LocalNetworkError, PackageUnavailable, NotRoutable) as e:
+    except (server.LocalNetworkError, PackageUnavailable, NotRoutable, server.TLSError) as e:
         fail(str(e), 2)
     where = "SKYRESUME_TOKEN" if settings.token else str(settings.token_path)
     reconciler = f"on, launcher {settings.launcher}" if service.reconciler else "off"
@@ -112,7 +112,7 @@ def serve(
         note = server.launcher_note(service)
         reconciler += f"; {note}" if note else ""
     err_console.print(
-        f"skyresume serving on http://{settings.host}:{settings.port} "
+        f"skyresume serving on {settings.scheme}://{settings.host}:{settings.port} "
         f"(database {url}; operator token in {where}; reconciler {reconciler})",
         # One line in service.log, however narrow; paths print as they are.
         soft_wrap=True,

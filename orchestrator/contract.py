@@ -31,6 +31,10 @@ class Env:
     """Names of the environment variables the agent gives each rank."""
 
     SERVICE_URL = "SKYRESUME_RUN_SERVICE_URL"
+    #: PEM certificates the agent verifies an ``https://`` service URL against (the
+    #: operator's ``SKYRESUME_CA_BUNDLE``, carried to the node as text); unset: the
+    #: node's own trust store. Public, not a secret.
+    CA_PEM = "SKYRESUME_RUN_CA_PEM"
     JOB_ID = "SKYRESUME_RUN_JOB_ID"
     JOB_TOKEN = "SKYRESUME_RUN_JOB_TOKEN"
     ATTEMPT = "SKYRESUME_RUN_ATTEMPT"

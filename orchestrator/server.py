@@ -30,6 +30,34 @@ if TYPE_CHECKING:
     from orchestrator.settings import Settings
 
 
+class TLSError(ValueError):
+    """The TLS settings cannot serve: a certificate or key that does not load, a CA
+    bundle that holds no certificate (the message names the file and why)."""
+
+
+def check_tls(settings: Settings) -> None:
+    """Load what ``serve`` will use for HTTPS now, so a bad file is one line at start
+    and not a traceback from inside uvicorn (or a node that cannot verify us later)."""
+    import ssl
+
+    try:
+        settings.ca_pem()
+    except ValueError as e:
+        raise TLSError(str(e)) from None
+    if settings.tls_cert is None or settings.tls_key is None:
+        return
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(settings.tls_cert, settings.tls_key)
+    except FileNotFoundError as e:
+        raise TLSError(f"tls_cert/tls_key: {e.filename}: no such file") from None
+    except (ssl.SSLError, OSError) as e:
+        raise TLSError(
+            f"tls_cert {settings.tls_cert} with tls_key {settings.tls_key} do not load: "
+            f"{getattr(e, 'reason', None) or e}"
+        ) from None
+
+
 class DatabaseError(RuntimeError):
     """The database could not be opened, read or migrated; the message is the cause
     (``ExceptionType: text``) without the URL, which the caller prints redacted."""
@@ -69,6 +97,7 @@ def build_service(settings: Settings) -> Service:
     from orchestrator.api.app import create_app
     from orchestrator.store import db
 
+    check_tls(settings)
     try:
         if settings.should_auto_migrate:
             db.upgrade(settings.effective_database_url)
@@ -94,7 +123,12 @@ def run_service(service: Service) -> None:
             # that has already been released.
             service.cleanup.callback(service.reconciler.stop)
         config = uvicorn.Config(
-            service.app, host=settings.host, port=settings.port, log_level="warning"
+            service.app,
+            host=settings.host,
+            port=settings.port,
+            log_level="warning",
+            ssl_certfile=settings.tls_cert,
+            ssl_keyfile=settings.tls_key,
         )
         sockets = [_bind(settings.host, settings.port)]
         gateway = _node_address(service)
@@ -164,7 +198,9 @@ def make_launcher(settings: Settings, token: str, cleanup: contextlib.ExitStack)
     # (built now, once), by URL pinned to its sha256 (PackageUnavailable: no source tree).
     package = agent_package_spec(settings)
     return SkyPilotLauncher(
-        settings=settings, token_for=lambda j: job_token(token, j), package=package
+        settings=settings,
+        token_for=lambda j: job_token(token, j),
+        package=package,
     )
 
 
@@ -218,7 +254,7 @@ def _local_launcher(settings: Settings, token: str, cleanup: contextlib.ExitStac
         fabric = Fabric(root / "fabric", bridge=bridge, subnet=subnet)
         fabric.up()
         # Nodes reach the service at its address on the bridge (a real, routable one).
-        url = settings.public_url or f"http://{fabric.gateway}:{settings.port}"
+        url = settings.public_url or f"{settings.scheme}://{fabric.gateway}:{settings.port}"
     package = agent_package_spec(settings.model_copy(update={"public_url": url}))
     local = LocalLauncher(
         root,
@@ -265,6 +301,7 @@ def attach_reconciler(
         sessionmaker=app.state.sessionmaker,
         launcher=launcher,
         service_url=node_service_url(settings, launcher),
+        service_ca_pem=settings.ca_pem(),
         config=config or ReconcileConfig(register_timeout_s=settings.register_timeout_s),
         interval_s=settings.reconcile_interval_s,
     )

@@ -15,10 +15,11 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import ssl
 import urllib.parse
 from pathlib import Path
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -93,6 +94,16 @@ class Settings(BaseSettings):
     pip_args: str = ""
     """Extra arguments for that ``pip install`` on the node, split on whitespace
     (``--no-index`` for nodes without internet: the service's wheel needs none)."""
+    tls_cert: Path | None = None
+    """PEM certificate (chain) ``serve`` answers HTTPS with; with ``tls_key``. Unset:
+    plain HTTP (behind a TLS-terminating proxy, say; README: TLS)."""
+    tls_key: Path | None = None
+    """The private key of ``tls_cert``."""
+    ca_bundle: Path | None = None
+    """PEM certificates the CLI and every node's agent verify the service's certificate
+    against (a private CA, or a self-signed certificate itself). The service hands its
+    text to nodes in the task's envs (``SKYRESUME_RUN_CA_PEM``): certificates are
+    public. Unset: the system's trust store."""
     token: str = ""
     """Operator bearer token. Empty in local mode: ``serve`` creates one in
     ``<home>/token`` (mode 0600) and the CLI reads it from there."""
@@ -204,6 +215,15 @@ class Settings(BaseSettings):
                 )
         return v
 
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Settings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            given, missing = (
+                ("tls_cert", "tls_key") if self.tls_key is None else ("tls_key", "tls_cert")
+            )
+            raise ValueError(f"{given} is set but {missing} is not: HTTPS needs both")
+        return self
+
     @field_validator("pip_args")
     @classmethod
     def _pip_args(cls, v: str) -> str:
@@ -220,8 +240,32 @@ class Settings(BaseSettings):
     @property
     def effective_service_url(self) -> str:
         """The URL handed to nodes and used by the CLI: the public URL when set."""
-        url = self.public_url or self.service_url or f"http://{self.host}:{self.port}"
+        url = self.public_url or self.service_url or f"{self.scheme}://{self.host}:{self.port}"
         return url.rstrip("/")
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls_cert is not None else "http"
+
+    def ca_pem(self) -> str | None:
+        """The text of ``ca_bundle`` (None when unset); ValueError naming the file when
+        it cannot be read or holds no certificate."""
+        if self.ca_bundle is None:
+            return None
+        try:
+            pem = self.ca_bundle.expanduser().read_text(encoding="ascii")
+        except (OSError, UnicodeDecodeError) as e:
+            why = getattr(e, "strerror", None) or e
+            raise ValueError(f"ca_bundle {self.ca_bundle}: {why}") from None
+        if "-----BEGIN CERTIFICATE-----" not in pem:
+            raise ValueError(f"ca_bundle {self.ca_bundle} holds no PEM certificate")
+        return pem
+
+    def client_verify(self) -> ssl.SSLContext | bool:
+        """What a client of the service verifies its certificate with: ``ca_bundle``
+        when set, else the system's trust store (``True``)."""
+        pem = self.ca_pem()
+        return ssl.create_default_context(cadata=pem) if pem is not None else True
 
     @property
     def token_path(self) -> Path:

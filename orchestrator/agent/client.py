@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+import ssl
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -70,7 +71,16 @@ def _is_loopback(url: str) -> bool:
 
 
 class ServiceClient:
-    def __init__(self, base_url: str, token: str, *, job_id: str, attempt: int, node_id: str):
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        *,
+        job_id: str,
+        attempt: int,
+        node_id: str,
+        ca_pem: str | None = None,
+    ):
         self.base_url = base_url.rstrip("/")
         self._token = token
         q = urllib.parse.quote
@@ -80,7 +90,14 @@ class ServiceClient:
         )
         # A proxy from the environment must not sit between an agent and a service
         # on loopback (the local launcher); a remote service may need one.
-        handlers = [urllib.request.ProxyHandler({})] if _is_loopback(base_url) else []
+        handlers: list[urllib.request.BaseHandler] = (
+            [urllib.request.ProxyHandler({})] if _is_loopback(base_url) else []
+        )
+        # An https service is verified (certificate and host name) against the
+        # operator's CA bundle when one came with the task, else the node's trust store.
+        handlers.append(
+            urllib.request.HTTPSHandler(context=ssl.create_default_context(cadata=ca_pem))
+        )
         self._opener = urllib.request.build_opener(*handlers)
 
     def request(self, method: str, path: str, body: Any = None, *, timeout: float = 10.0) -> Answer:

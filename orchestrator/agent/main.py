@@ -33,6 +33,7 @@ import queue
 import shlex
 import signal
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -129,6 +130,9 @@ class AgentConfig:
     """All-reduce bus bandwidth across the nodes the job needs before training; 0: none."""
     allreduce_check_port: int | None = None
     """The check's TCP store port on the master node (default: master port + 1)."""
+    ca_pem: str | None = None
+    """PEM certificates an ``https://`` service URL is verified against; None: the
+    node's trust store."""
     sky_task_id: str | None = None
     """SkyPilot's task id (``SKYPILOT_TASK_ID``, with --from-env): logged, so the agent's
     log can be matched with SkyPilot's."""
@@ -268,6 +272,11 @@ def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> Age
         help="print the resolved configuration as JSON and exit (nothing is started)",
     )
     p.add_argument("--service-url", help="e.g. http://10.0.0.5:8470 (omit: no service)")
+    p.add_argument(
+        "--ca-bundle",
+        help=f"PEM file to verify an https service URL with (with --from-env: ${Env.CA_PEM}, "
+        "the PEM text itself); default: the node's trust store",
+    )
     p.add_argument("--job-id")
     p.add_argument("--attempt", type=int)
     p.add_argument("--node-id", help="default with --from-env: <job>-a<attempt>-n<node rank>")
@@ -451,6 +460,7 @@ def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> Age
         _positive(flag_name, value)
     if service_url is not None and not service_url.startswith(("http://", "https://")):
         raise UsageError(f"--service-url must start with http:// or https://, got {service_url!r}")
+    ca_pem = _ca_pem(a.ca_bundle, env if a.from_env else {})
     if metadata_url is not None and not metadata_url.startswith(("http://", "https://")):
         raise UsageError(
             f"--metadata-url must start with http:// or https://, got {metadata_url!r}"
@@ -484,9 +494,32 @@ def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> Age
         store_timeout_s=a.store_timeout_s,
         min_allreduce_gbps=a.min_allreduce_gbps,
         allreduce_check_port=check_port,
+        ca_pem=ca_pem,
         sky_task_id=task_id,
         print_config=a.print_config,
     )
+
+
+def _ca_pem(path: str | None, env: Mapping[str, str]) -> str | None:
+    """The PEM text of ``--ca-bundle`` or ``$SKYRESUME_RUN_CA_PEM``, checked to hold
+    at least one certificate ssl can load (a bad bundle is a usage error at start,
+    not a TLS failure on every heartbeat)."""
+    if path is not None:
+        try:
+            pem = Path(path).expanduser().read_text(encoding="ascii")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--ca-bundle {path}: {getattr(e, 'strerror', None) or e}") from None
+        what = f"--ca-bundle {path}"
+    else:
+        pem = (env.get(Env.CA_PEM) or "").strip()
+        what = f"${Env.CA_PEM}"
+        if not pem:
+            return None
+    try:
+        ssl.create_default_context(cadata=pem)
+    except (ssl.SSLError, ValueError) as e:
+        raise UsageError(f"{what} holds no usable PEM certificate: {e}") from None
+    return pem
 
 
 def node_outcome(ranks: list[rk.Rank], stop_reason: str | None) -> tuple[int, str]:
@@ -592,6 +625,7 @@ class Agent:
                 job_id=cfg.job_id,
                 attempt=cfg.attempt,
                 node_id=cfg.node_id,
+                ca_pem=cfg.ca_pem,
             )
             if cfg.service_url
             else None

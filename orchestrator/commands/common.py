@@ -97,14 +97,23 @@ class Client:
         self.url = (url or settings.effective_service_url).rstrip("/")
         self.token = token or read_client_token(settings)
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=30)
+        try:
+            verify = settings.client_verify()
+        except ValueError as e:
+            fail(str(e), 2)
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=30, verify=verify)
 
     def request(self, method: str, path: str, **kw: Any) -> Any:
         import httpx
 
         try:
             r = self.http.request(method, path, **kw)
-        except httpx.ConnectError:
+        except httpx.ConnectError as e:
+            if "CERTIFICATE_VERIFY_FAILED" in str(e):
+                fail(
+                    f"the service at {self.url} presented a certificate this machine does "
+                    f"not trust (set SKYRESUME_CA_BUNDLE to its CA): {e}"
+                )
             fail(
                 f"cannot reach the skyresume service at {self.url} (is `skyresume serve` running?)"
             )

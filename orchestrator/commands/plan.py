@@ -75,7 +75,12 @@ def service_history() -> list[Any]:
     token = read_client_token(settings)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        r = httpx.get(f"{url}/v1/placement-history", headers=headers, timeout=5)
+        r = httpx.get(
+            f"{url}/v1/placement-history",
+            headers=headers,
+            timeout=5,
+            verify=settings.client_verify(),
+        )
         r.raise_for_status()
         items = r.json()["items"]
         out = [

@@ -53,6 +53,8 @@ class Reconciler:
     sessionmaker: sessionmaker[Session]
     launcher: Launcher
     service_url: str
+    service_ca_pem: str | None = None
+    """PEM certificates nodes verify an https ``service_url`` with (``ca_bundle``)."""
     config: rc.ReconcileConfig = field(default_factory=rc.ReconcileConfig)
     interval_s: float = 0.5
     holder: str = ""
@@ -270,6 +272,7 @@ class Reconciler:
         k = a.knobs or {}
         env = {
             Env.SERVICE_URL: self.service_url,
+            **({Env.CA_PEM: self.service_ca_pem} if self.service_ca_pem else {}),
             Env.JOB_ID: job.id,
             Env.ATTEMPT: str(number),
             Env.CHECKPOINT_URI: spec.checkpoint.uri,
