@@ -25,12 +25,29 @@ def make_engine(url: str) -> Engine:
 
         @event.listens_for(engine, "connect")
         def _pragmas(dbapi_conn, _record):  # type: ignore[no-untyped-def]
+            # The driver's own transaction handling off (SQLAlchemy's pysqlite recipe,
+            # "Serializable isolation / Savepoints / Transactional DDL"): left on, it
+            # sends no BEGIN before a SAVEPOINT, so a row written inside
+            # ``begin_nested()`` was committed on its own and a request that failed
+            # after it left the row behind (a retried report then found its key and
+            # never wrote the checkpoint row).
+            dbapi_conn.isolation_level = None
             # WAL lets the dashboard read while the reconciler writes; foreign keys
-            # are off by default in SQLite and the cascade rules rely on them.
+            # are off by default in SQLite and the cascade rules rely on them. Both
+            # run here, outside any transaction (inside one, SQLite ignores them).
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _begin(conn):  # type: ignore[no-untyped-def]
+            # IMMEDIATE, not a plain (deferred) BEGIN: almost every write transaction
+            # reads first, and a deferred one that reads, then writes after another
+            # connection committed fails at once with "database is locked" (WAL
+            # snapshot), where IMMEDIATE waits its turn (the 30 s busy timeout).
+            # The driver still sends COMMIT and ROLLBACK itself.
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
     return create_engine(url, pool_pre_ping=True)
