@@ -117,6 +117,10 @@ def run_service(service: Service) -> None:
 
     settings = service.settings
     with service.cleanup:
+        # Heartbeats flush in batches from here on; the last flush runs on the way out,
+        # after the reconciler stopped (callbacks run last-registered first).
+        service.app.state.liveness.start()
+        service.cleanup.callback(service.app.state.liveness.stop)
         if service.reconciler is not None:
             service.reconciler.start()
             # Registered last, so it runs first: no reconcile pass may use a launcher
@@ -199,7 +203,7 @@ def make_launcher(settings: Settings, token: str, cleanup: contextlib.ExitStack)
     package = agent_package_spec(settings)
     return SkyPilotLauncher(
         settings=settings,
-        token_for=lambda j: job_token(token, j),
+        token_for=lambda j, a: job_token(token, j, a),
         package=package,
     )
 
@@ -259,7 +263,7 @@ def _local_launcher(settings: Settings, token: str, cleanup: contextlib.ExitStac
     local = LocalLauncher(
         root,
         url,
-        lambda job_id: job_token(token, job_id),
+        lambda job_id, attempt: job_token(token, job_id, attempt),
         provider=settings.local_provider,
         gpu_memory_gib=settings.local_gpu_memory_gib,
         replacement_gpu_memory_gib=settings.local_replacement_gpu_memory_gib,

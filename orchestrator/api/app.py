@@ -14,12 +14,19 @@ from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import Engine, func, select, text
 
 from orchestrator import __version__
-from orchestrator.api import routes_agents, routes_goodput, routes_jobs, routes_recovery
-from orchestrator.api.auth import ensure_local_token
+from orchestrator.api import (
+    routes_agents,
+    routes_goodput,
+    routes_jobs,
+    routes_recovery,
+    routes_tokens,
+)
+from orchestrator.api.auth import ensure_local_token, install_redaction
 from orchestrator.dashboard import routes as dashboard
 from orchestrator.domain.status import JobStatus
 from orchestrator.settings import Settings
 from orchestrator.store.db import make_engine, make_sessionmaker
+from orchestrator.store.liveness import LiveHeartbeats
 from orchestrator.store.models import Job
 
 log = logging.getLogger(__name__)
@@ -56,7 +63,10 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.state.settings = settings
     app.state.engine = engine or make_engine(settings.effective_database_url)
     app.state.sessionmaker = make_sessionmaker(app.state.engine)
+    # Heartbeats: checked and kept in memory, flushed in batches (``serve`` starts it).
+    app.state.liveness = LiveHeartbeats(app.state.sessionmaker)
     app.state.token = ensure_local_token(settings)
+    install_redaction(app.state.token)  # no log line carries it (auth.RedactSecrets)
     app.state.launcher = None  # set by attach_reconciler (serve); chaos needs one
 
     registry = CollectorRegistry()
@@ -104,4 +114,5 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.include_router(dashboard.router)
     app.include_router(routes_agents.router)
     app.include_router(routes_recovery.router)
+    app.include_router(routes_tokens.router)
     return app

@@ -1,8 +1,9 @@
 """Agent -> service routes: register, heartbeat, commands (long-poll), reports, and
 the agent package nodes install (``/v1/agent/package``, ``/v1/agent/dist/<wheel>``).
 
-The protocol is written down in docs/agent.md. Auth is the operator token or the
-job's own token (``auth.job_token``), which opens only this job's routes.
+The protocol is written down in docs/agent.md. Auth is the agent token of this
+attempt (``auth.job_token``), which opens only this attempt's routes, or an
+operator token of role operator or above (:func:`require_job_access`).
 
 Register checks the agent: one whose protocol (``contract.AGENT_PROTOCOL``) or
 skyresume version differs from the service's gets 409 with both named, and the
@@ -48,11 +49,20 @@ from sqlalchemy.orm import Session
 
 from orchestrator import __version__
 from orchestrator import package as agent_package
-from orchestrator.api.auth import job_token, token_matches
+from orchestrator.api.auth import (
+    AGENT_TOKEN_PREFIX,
+    bearer_token,
+    job_token,
+    operator_principal,
+    token_matches,
+)
+from orchestrator.api.deps import forbid_unless, unauthorized
 from orchestrator.contract import AGENT_PROTOCOL
 from orchestrator.store import agents
+from orchestrator.store.liveness import LiveHeartbeats, Verdict
 from orchestrator.store.models import NodeCommand
 from orchestrator.store.repo import NotFound
+from orchestrator.store.tokens import Role
 
 log = logging.getLogger(__name__)
 
@@ -69,27 +79,25 @@ LONG_POLL_THREADS = 4
 HEARTBEAT_S = 1.0
 
 
-def require_job_access(request: Request, job_id: str) -> None:
-    """The operator token, or the job token of *this* job."""
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    token = token.strip()
-    if scheme.lower() != "bearer" or not token:
-        raise HTTPException(
-            status.HTTP_401_UNAUTHORIZED,
-            "missing bearer token (Authorization: Bearer <token>)",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-    service_token: str = request.app.state.token
-    if token_matches(token, service_token) or token_matches(
-        token, job_token(service_token, job_id)
-    ):
-        return
-    raise HTTPException(
-        status.HTTP_401_UNAUTHORIZED,
-        "invalid token for this job",
-        headers={"WWW-Authenticate": "Bearer"},
-    )
+async def require_job_access(request: Request, job_id: str, attempt: int) -> None:
+    """This attempt's agent token, or an operator token of role operator or above.
+
+    The agent token is checked first, on the event loop, and costs no query
+    (``auth.job_token``): it is what every heartbeat carries. One for another attempt
+    (a node of an older one) is 401; its own attempt, once superseded or finished, is
+    the handlers' 409, on which the agent stops its ranks and exits. Only an operator
+    token reads SQL, in a worker thread."""
+    token = bearer_token(request)
+    if token is None:
+        raise unauthorized("missing bearer token (Authorization: Bearer <token>)")
+    if token.startswith(AGENT_TOKEN_PREFIX):
+        if token_matches(token, job_token(request.app.state.token, job_id, attempt)):
+            return
+        raise unauthorized(f"this agent token is not for attempt {attempt} of job {job_id}")
+    principal = await anyio.to_thread.run_sync(operator_principal, request, token)
+    if principal is None:
+        raise unauthorized("invalid token for this job (unknown or revoked)")
+    forbid_unless(request, principal, Role.operator)
 
 
 def _json_safe(x: Any) -> Any:
@@ -408,8 +416,14 @@ def register(
         raise HTTPException(
             status.HTTP_409_CONFLICT, refused, headers={REFUSED_HEADER: AGENT_VERSION_REFUSED}
         )
+    live: LiveHeartbeats = request.app.state.liveness
+    # The node's batched beat goes first, in this transaction: the cursor handed back
+    # must count its newest ack, and a later flush of it must not undo the register.
+    pending = live.take(job_id, node_id)
     try:
         with _transaction(request) as session:
+            if pending is not None:
+                agents.store_heartbeats(session, [pending])
             reg = agents.register_node(
                 session,
                 job_id,
@@ -423,23 +437,46 @@ def register(
                 client_ip=request.client.host if request.client else None,
             )
             cursor = reg.command_cursor
-    except (NotFound, agents.NotCurrent) as e:
-        raise _translate(e) from None
+    except BaseException as e:
+        if pending is not None:
+            live.restore([pending])
+        if isinstance(e, NotFound | agents.NotCurrent):
+            raise _translate(e) from None
+        raise
+    live.registered(job_id, attempt, node_id)
     return RegisterOut(heartbeat_s=HEARTBEAT_S, command_cursor=cursor)
 
 
 @_node_router.post("/heartbeat")
-def heartbeat(
+async def heartbeat(
     request: Request, job_id: str, attempt: AttemptPath, node_id: NodePath, body: HeartbeatIn
 ) -> dict[str, Any]:
     """One per node per period: its state and every local rank's progress.
-    404 when the node is not registered (the agent registers again)."""
-    try:
-        with _transaction(request) as session:
-            doc = body.model_dump(mode="json")
-            agents.record_heartbeat(session, job_id, attempt, node_id, doc)
-    except (NotFound, agents.NotCurrent) as e:
-        raise _translate(e) from None
+    404 when the node is not registered (the agent registers again), 409 when its
+    attempt is not the current one.
+
+    No database on this path (store/liveness.py): the beat is checked against the
+    in-memory cache and kept for the next batched flush, so 2,048 nodes cost no
+    transaction each and the event loop never waits on a connection. Only a cache
+    miss (a job this replica has not loaded) reads SQL, in a worker thread."""
+    live: LiveHeartbeats = request.app.state.liveness
+    verdict = live.check(job_id, attempt, node_id)
+    if verdict is Verdict.MISS:
+        try:
+            verdict = await anyio.to_thread.run_sync(live.load, job_id, attempt, node_id)
+        except NotFound as e:
+            raise _translate(e) from None
+    if verdict is Verdict.NOT_CURRENT:
+        raise _translate(
+            agents.NotCurrent(f"attempt {attempt} of job {job_id} is not the current attempt")
+        )
+    if verdict is Verdict.NOT_REGISTERED:
+        raise _translate(
+            NotFound(f"node {node_id} is not registered for attempt {attempt} of job {job_id}")
+        )
+    live.record(job_id, attempt, node_id, body.model_dump(mode="json"))
+    if not live.batched:  # no flusher runs (an embedded app): write it through now
+        await anyio.to_thread.run_sync(live.flush)
     return {}
 
 

@@ -19,11 +19,12 @@ on ``a<attempt>:<node_id>:<key>``; a ``checkpoint`` report also upserts a
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from datetime import datetime
-from typing import Any
+from datetime import UTC, datetime
+from typing import Any, Protocol, cast
 
-from sqlalchemy import func, select
+from sqlalchemy import Table, bindparam, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -159,6 +160,28 @@ def register_node(
     return Registration(node, cursor)
 
 
+#: Progress keys register writes and a heartbeat keeps (a beat's body has none of them).
+_REGISTER_KEYS = ("hostname", "agent_pid", "provider", "client_ip")
+
+
+def merge_progress(
+    old: dict[str, Any] | None, body: dict[str, Any], acked: int | None
+) -> dict[str, Any]:
+    """A node's progress after a heartbeat: the body, what register wrote about the
+    node, and the command cursor (an agent that acked nothing new must not rewind it)."""
+    old = old or {}
+    keep = {k: v for k, v in old.items() if k in _REGISTER_KEYS}
+    if acked is None:
+        acked = old.get("acked_command")
+    return {**keep, **body, "acked_command": acked}
+
+
+def merged_state(row_state: str, beat_state: str) -> str:
+    """A batched beat never turns an ``exited`` node (its node_exit report, written
+    after the beat was sent) back into a live one; only register resets the state."""
+    return row_state if row_state == NodeState.EXITED else beat_state
+
+
 def record_heartbeat(
     session: Session,
     job_id: str,
@@ -168,7 +191,8 @@ def record_heartbeat(
     *,
     now: datetime | None = None,
 ) -> Node:
-    """Store the heartbeat body as the node's progress and its state.
+    """Store the heartbeat body as the node's progress and its state, at once (the
+    service batches through ``store.liveness``; this is the direct path).
 
     Raises NotFound when the node never registered (the agent registers again),
     NotCurrent for a stale attempt.
@@ -180,19 +204,97 @@ def record_heartbeat(
     state = body.get("state")
     if state not in NODE_STATES:
         raise ValueError(f"state must be one of {sorted(NODE_STATES)}, got {state!r}")
-    keep = {
-        k: v
-        for k, v in (node.progress or {}).items()
-        if k in ("hostname", "agent_pid", "provider", "client_ip")
-    }
-    acked = body.get("acked_command")
-    if acked is None:  # an agent that acked nothing new must not rewind the cursor
-        acked = (node.progress or {}).get("acked_command")
-    node.progress = {**keep, **body, "acked_command": acked}
+    node.progress = merge_progress(node.progress, body, body.get("acked_command"))
     node.state = state
     node.last_heartbeat_at = now or utcnow()
     session.flush()
     return node
+
+
+class BeatLike(Protocol):
+    """One node's newest accepted heartbeat (``liveness.Beat``)."""
+
+    @property
+    def job_id(self) -> str: ...
+    @property
+    def attempt(self) -> int: ...
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def at(self) -> datetime: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def body(self) -> dict[str, Any]: ...
+    @property
+    def acked(self) -> int | None: ...
+
+
+def store_heartbeats(session: Session, beats: Iterable[BeatLike]) -> int:
+    """Write many nodes' newest beats in the caller's transaction: one SELECT of their
+    rows, one executemany UPDATE. A beat whose row is gone, belongs to another attempt
+    now, or is older than the row's ``last_heartbeat_at`` (another replica, or a
+    register, wrote a newer one) is skipped. Returns the rows written.
+
+    Validation happened when the beat was accepted; the row's attempt and time are
+    checked again in the UPDATE itself, so a register committed meanwhile wins."""
+    beats = list(beats)
+    if not beats:
+        return 0
+    t = cast(Table, Node.__table__)
+    rows: dict[tuple[str, str], Any] = {}
+    by_job: dict[str, list[str]] = {}
+    for b in beats:
+        by_job.setdefault(b.job_id, []).append(b.node_id)
+    for job_id, node_ids in by_job.items():
+        q = select(t.c.id, t.c.job_id, t.c.node_id, t.c.attempt, t.c.state, t.c.progress,
+                   t.c.last_heartbeat_at)  # fmt: skip
+        for chunk in _chunks(node_ids, 500):
+            for row in session.execute(q.where(t.c.job_id == job_id, t.c.node_id.in_(chunk))):
+                rows[(row.job_id, row.node_id)] = row
+    params = []
+    for b in beats:
+        r = rows.get((b.job_id, b.node_id))
+        if r is None or r.attempt != b.attempt:
+            continue
+        if r.last_heartbeat_at is not None and _aware(r.last_heartbeat_at) >= b.at:
+            continue
+        params.append(
+            {
+                "b_id": r.id,
+                "b_attempt": b.attempt,
+                "b_at": b.at,
+                "b_state": merged_state(r.state, b.state),
+                "b_progress": merge_progress(r.progress, b.body, b.acked),
+            }
+        )
+    if not params:
+        return 0
+    stmt = (
+        t.update()
+        .where(
+            t.c.id == bindparam("b_id"),
+            t.c.attempt == bindparam("b_attempt"),
+            or_(t.c.last_heartbeat_at.is_(None), t.c.last_heartbeat_at < bindparam("b_at")),
+        )
+        .values(
+            state=bindparam("b_state"),
+            progress=bindparam("b_progress"),
+            last_heartbeat_at=bindparam("b_at"),
+        )
+    )
+    session.execute(stmt, params)
+    return len(params)
+
+
+def _chunks(xs: list[str], n: int) -> Iterator[list[str]]:
+    for i in range(0, len(xs), n):
+        yield xs[i : i + n]
+
+
+def _aware(dt: datetime) -> datetime:
+    """SQLite returns naive datetimes; every time stored here is UTC."""
+    return dt if dt.tzinfo is not None else dt.replace(tzinfo=UTC)
 
 
 def list_nodes(session: Session, job_id: str, attempt: int | None = None) -> list[Node]:

@@ -9,6 +9,11 @@ choose). Those two are I/O against the checkpoint store and the provider's
 catalog; a source that cannot be read is recorded as missing (an ``error``),
 never as empty.
 
+Nodes are read as the live view (``store.liveness``): a heartbeat this replica
+accepted but has not flushed yet counts, so detection never sees a node as silent
+because its beat sits in a batch; other replicas' beats are in SQL within their
+flush interval.
+
 Read-only: nothing here writes.
 """
 
@@ -32,7 +37,7 @@ from orchestrator.domain.remedy import PastIncident
 from orchestrator.domain.spec import JobSpec
 from orchestrator.domain.status import JobStatus
 from orchestrator.launchers.base import Launcher, LaunchHandle
-from orchestrator.store import repo
+from orchestrator.store import liveness, repo
 from orchestrator.store.models import Attempt, FailureEvent, Job, Node
 from orchestrator.store.models import ProtocolStep as StepRow
 
@@ -287,8 +292,12 @@ def _attempt_view(
             log.exception("job %s: launcher status failed", job_id)
     hosts = dict(zip(handle.node_ids, handle.hosts, strict=False)) if handle is not None else {}
     views = []
+    # The live view: this replica's heartbeats not yet flushed are newer than SQL, and
+    # a node must never look silent because its beat is sitting in a batch.
+    live = liveness.live_of(s)
     for n in nodes:
-        prog = n.progress or {}
+        seen = liveness.overlay(live, n, utc(n.last_heartbeat_at))
+        prog = seen.progress
         ranks = tuple(
             rc.RankView(
                 rank=int(r.get("rank", -1)),
@@ -308,9 +317,9 @@ def _attempt_view(
             rc.NodeView(
                 node_id=n.node_id,
                 node_rank=n.node_rank,
-                last_heartbeat_at=utc(n.last_heartbeat_at) or utc(n.registered_at),
+                last_heartbeat_at=seen.last_heartbeat_at or utc(n.registered_at),
                 alive=None if alive_ids is None else n.node_id in alive_ids,
-                exited=ev is not None or n.state == NodeState.EXITED,
+                exited=ev is not None or seen.state == NodeState.EXITED,
                 exit_code=(ev.details or {}).get("exit_code") if ev is not None else None,
                 ranks=ranks,
                 host=hosts.get(n.node_id) or n.address,
