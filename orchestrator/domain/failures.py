@@ -317,6 +317,8 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"loss scale already at minimum",
         r"found NaN in",
         r"NaN or Inf found in",
+        # "Skipping backward and optimizer step for nan or inf in forwarding metrics/loss!"
+        r"(skip\w*|found|detected|encountered|because of)\b.{0,40}\b(nan|inf)( or |/)(inf|nan)\b",
         r"(inf|nan) (values )?(in|or (inf|nan) (values )?in) (the )?grad",
         r"grad(ient)?[ _]norm\W{0,4}(is )?([\d.]+ \()?(nan|inf)\b",
         r"non-finite (loss|gradient)",
@@ -581,6 +583,9 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"resource pool exhausted|stockout|UnfulfillableCapacity",
         r"OverconstrainedAllocationRequest|OverconstrainedZonalAllocationRequest",
         r"currently unavailable in (the )?(zone|region|availability zone)",
+        # A cloud quota refusal names the metric, what was asked and what the quota
+        # allows ("MemAllocPerProjectRegion requested: 85899345920 allowed: 42949672960").
+        r"\brequested:?\s*[\d.]+\s*\w*,?\s+allowed:?\s*[\d.]+",
     )
     + _r(
         _F.EXTERNAL_TERMINATION,
@@ -939,6 +944,71 @@ def _zeroed_copy(text: str) -> str | None:
     return None
 
 
+# "TP rank 1:", "[rank3]", "replica 0": whose copy a printed tensor is.
+_REPLICA = re.compile(r"\b(?:rank|replica)[\s_:=#]*(\d+)\b", re.IGNORECASE)
+# Copies that every replica must hold identically: parameters, their gradients after
+# the all-reduce, optimizer state, checksums of them.
+_REPLICATED = re.compile(r"weight|param|grad|checksum|hash|optim|state", re.IGNORECASE)
+# A tensor's own repr says "grad_fn=<AddBackward0>" or "requires_grad=True": not a name.
+_NOT_A_NAME = re.compile(r"tensor\([^()]*\)?|(?:grad_fn|requires_grad)=\S+")
+_NAME_LOOKBACK = 8
+_ASSIGNED = re.compile(r"([\w.()\[\]']+)\s*[=:]\s*$")
+_DEVICE = re.compile(r"^[^()]*?device='(\w+)")
+#: Copies count as disagreeing above this relative difference (fp noise is below it).
+_COPY_TOLERANCE = 1e-3
+_MIN_COPY_NUMBERS = 4
+
+
+def _copies_disagree(lines: list[str]) -> str | None:
+    """The line of a tensor whose other copy, printed beside it, holds different
+    numbers, or None. Two shapes of report, both with no error raised:
+
+    - replicas: the same parameter or gradient printed per rank ("TP rank 1:
+      tensor([...])"), which data/tensor parallelism keeps identical on every rank;
+    - devices: the same expression printed from the GPU and from the CPU
+      ("n(x) = tensor([[1.]], device='cuda:0')" then "n(x) = tensor([[0.2164]])").
+    """
+    replicas: dict[str, list[tuple[str, list[float], str]]] = {}
+    devices: dict[tuple[str, str], list[tuple[bool, list[float], str]]] = {}
+    for i, line in enumerate(lines):
+        for m in _ANY_TENSOR.finditer(line):
+            body = m.group(1)
+            nums = [float(n) for n in _TENSOR_NUMBERS.findall(body)]
+            layout = re.sub(_NUM, "x", re.sub(r"\s+", "", body))
+            prefix = line[: m.start()]
+            context = prefix if re.search(r"\w", prefix) else (lines[i - 1] if i else "")
+            rank = _REPLICA.search(context)
+            # What is printed is said once above the per-rank block ("the values of
+            # final_layernorm.weight.main_grad below:"), so look a few lines up.
+            said = _NOT_A_NAME.sub("", "\n".join(lines[max(0, i - _NAME_LOOKBACK) : i]) + prefix)
+            if rank and len(nums) >= _MIN_COPY_NUMBERS and _REPLICATED.search(said):
+                replicas.setdefault(layout, []).append((rank.group(1), nums, line))
+            label = _ASSIGNED.search(prefix.rsplit(", ", 1)[-1])
+            if label:
+                dev = _DEVICE.match(line[m.end() :])
+                on_gpu = dev is not None and dev.group(1) != "cpu"
+                devices.setdefault((label.group(1), layout), []).append((on_gpu, nums, line))
+
+    def differ(a: list[float], b: list[float]) -> bool:
+        scale = max(max(map(abs, a + b), default=0.0), 1e-12)
+        return any(abs(x - y) > _COPY_TOLERANCE * scale for x, y in zip(a, b, strict=False))
+
+    for copies in replicas.values():
+        ranks = {r for r, _, _ in copies}
+        if len(ranks) >= 2:
+            first = copies[0][1]
+            for _, nums, line in copies[1:]:
+                if differ(first, nums):
+                    return line
+    for printed in devices.values():
+        gpu = [(n, ln) for g, n, ln in printed if g]
+        cpu = [n for g, n, _ in printed if not g]
+        for nums, line in gpu:
+            if any(differ(nums, other) for other in cpu):
+                return line
+    return None
+
+
 _FRAME = re.compile(r'^\s*File "[^"]+", line \d+, in \S+')
 # Saving or loading a checkpoint: torch's serializer, DCP, or the trainer's own call.
 _CHECKPOINT_FRAME = re.compile(
@@ -946,8 +1016,16 @@ _CHECKPOINT_FRAME = re.compile(
     r"|\b(?:save|load)_checkpoint\b|\btorch\.(?:save|load)\(",
     re.IGNORECASE,
 )
-#: The innermost frame of a traceback in checkpoint code, with no cause named: below
-#: every named error and the user's exception.
+# Forming the process group: c10d's init_process_group, the rendezvous handlers and
+# the store they meet in. A traceback that ends there failed before training started.
+_RENDEZVOUS_FRAME = re.compile(
+    r"\bin (?:init_process_group|_new_process_group_helper|_store_based_barrier|"
+    r"_create_c10d_store|_env_rendezvous_handler|_tcp_rendezvous_handler|"
+    r"_file_rendezvous_handler|_init_dist_connection|next_rendezvous)\b"
+    r"|torch/distributed/elastic/rendezvous/|\bdist\.init_process_group\(",
+)
+#: The innermost frame of a traceback in checkpoint or process-group code, with no
+#: cause named: below every named error and the user's exception.
 _FRAME_CONFIDENCE = 0.65
 
 
@@ -996,10 +1074,12 @@ def _scan(lines: list[str]) -> Classification | None:
     frame = _innermost_frame(lines)
     if frame is not None and _CHECKPOINT_FRAME.search(frame):
         hit(_F.CHECKPOINT_IO, _FRAME_CONFIDENCE, frame)
+    elif frame is not None and _RENDEZVOUS_FRAME.search(frame):
+        hit(_F.RENDEZVOUS_FAILURE, _FRAME_CONFIDENCE, frame)
     for cls, found in (
         (_F.LOSS_SPIKE, _loss_spike(lines)),
         (_F.SLOW_PEER, _slow_peer(lines)),
-        (_F.SILENT_CORRUPTION, _zeroed_copy("\n".join(lines))),
+        (_F.SILENT_CORRUPTION, _zeroed_copy("\n".join(lines)) or _copies_disagree(lines)),
     ):
         if found is not None:
             hit(cls, _NUMERIC_CONFIDENCE, found)

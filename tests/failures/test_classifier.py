@@ -1103,3 +1103,90 @@ def test_ddp_s_warning_that_every_healthy_run_prints_is_not_a_user_error():
     )
     assert classify_failure(1, None, f"{warning}\n{reset}").failure_class is F.NODE_LOST
     assert classify_failure(1, None, warning).failure_class is F.UNKNOWN
+
+
+_GRAD_BLOCK = (
+    "I put the values of final_layernorm.weight.main_grad below:\n"
+    "TP rank 0 has value:\n"
+    "tensor([2.9907e-03, -3.1120e-04,  9.9897e-05,  ...,  1.7762e-04, -7.4244e-04]\n"
+    "TP rank 1:\n"
+    "tensor([{first}, -3.1120e-04,  9.9897e-05,  ...,  1.7762e-04, -7.4244e-04]"
+)
+
+
+def test_a_replicated_gradient_that_differs_across_ranks_is_silent_corruption() -> None:
+    # https://github.com/NVIDIA/Megatron-LM/issues/1446 (trimmed to two ranks)
+    got = classify_failure(None, None, _GRAD_BLOCK.format(first="3.0289e-03"))
+    assert got.failure_class is F.SILENT_CORRUPTION
+    assert got.evidence == (
+        "tensor([3.0289e-03, -3.1120e-04,  9.9897e-05,  ...,  1.7762e-04, -7.4244e-04]",
+    )
+
+
+def test_identical_replicas_are_not_silent_corruption() -> None:
+    got = classify_failure(None, None, _GRAD_BLOCK.format(first="2.9907e-03"))
+    assert got.failure_class is F.UNKNOWN
+
+
+def test_per_rank_inputs_that_differ_are_not_silent_corruption() -> None:
+    # Each rank's own batch differs by design: only replicated state must agree.
+    log = "\n".join(f"rank {r}: tensor([{r}.5, 1.0, 2.0, 3.0])" for r in range(3))
+    assert classify_failure(None, None, log).failure_class is F.UNKNOWN
+
+
+def test_the_same_expression_disagreeing_on_gpu_and_cpu_is_silent_corruption() -> None:
+    # https://github.com/pytorch/pytorch/issues/57919
+    log = (
+        "x = tensor([[1.]], device='cuda:0'), n(x) = tensor([[1.]], device='cuda:0')\n"
+        "x = tensor([[1.]]), n(x) = tensor([[0.2164]])"
+    )
+    got = classify_failure(None, None, log)
+    assert got.failure_class is F.SILENT_CORRUPTION
+    assert got.evidence == (log.splitlines()[0],)
+
+
+def test_gpu_and_cpu_agreeing_is_not_silent_corruption() -> None:
+    log = "n(x) = tensor([[0.2164]], device='cuda:0')\nn(x) = tensor([[0.2164]])"
+    assert classify_failure(None, None, log).failure_class is F.UNKNOWN
+
+
+def test_a_timeout_while_forming_the_process_group_is_a_rendezvous_failure() -> None:
+    # https://github.com/pytorch/gloo/issues/148
+    log = (
+        'File "/opt/lib/python3.6/site-packages/torch/distributed/distributed_c10d.py", '
+        "line 283, in init_process_group\n"
+        "_default_pg = ProcessGroupGloo(store, rank, world_size)\n"
+        "RuntimeError: Wait timeout"
+    )
+    assert classify_failure(1, None, log).failure_class is F.RENDEZVOUS_FAILURE
+
+
+def test_a_users_error_raised_while_forming_the_process_group_stays_a_user_error() -> None:
+    log = (
+        'File "/opt/lib/python3.10/site-packages/torch/distributed/rendezvous.py", '
+        "line 246, in _env_rendezvous_handler\n"
+        '    rank = int(_get_env_or_raise("RANK"))\n'
+        "ValueError: Error initializing torch.distributed using env:// rendezvous: "
+        "environment variable RANK expected, but not set"
+    )
+    assert classify_failure(1, None, log).failure_class is F.USER_CODE_ERROR
+
+
+@pytest.mark.parametrize(
+    ("log", "want"),
+    [
+        # https://github.com/THUDM/SwissArmyTransformer/issues/161
+        (
+            "Skipping backward and optimizer step for nan or inf in forwarding metrics/loss!",
+            F.NAN_DIVERGENCE,
+        ),
+        # https://github.com/googlecodelabs/feedback (GCP quota refusal)
+        (
+            "MemAllocPerProjectRegion requested: 85899345920 allowed: 42949672960",
+            F.CAPACITY_UNAVAILABLE,
+        ),
+    ],
+    ids=["skipping-for-nan-or-inf", "quota-requested-allowed"],
+)
+def test_library_wordings_name_their_class(log: str, want: FailureClass) -> None:
+    assert classify_failure(None, None, log).failure_class is want
