@@ -245,7 +245,7 @@ def run_fleet(
                 "--metadata-url", sim.node_url(node), "--poll-s", str(poll_s), "--grace-s", "30",
             ]  # fmt: skip
             if service:
-                env["SKYRESUME_AGENT_TOKEN"] = job_token(service.token, jobs[i])
+                env["SKYRESUME_AGENT_TOKEN"] = job_token(service.token, jobs[i], 1)
                 argv += [
                     "--service-url",
                     service.url,

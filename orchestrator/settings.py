@@ -107,6 +107,10 @@ class Settings(BaseSettings):
     token: str = ""
     """Operator bearer token. Empty in local mode: ``serve`` creates one in
     ``<home>/token`` (mode 0600) and the CLI reads it from there."""
+    dashboard_session_hours: float = Field(default=12.0, gt=0, le=24 * 90)
+    """How long a dashboard login lasts. Sessions are rows (the hash of the cookie's
+    session id): logout, revoking the token they were opened with, or ``skyresume
+    token revoke-sessions`` end them sooner."""
     auto_migrate: bool | None = None
     """Upgrade the schema on ``serve``. Default: on for SQLite, off otherwise
     (production PostgreSQL is upgraded deliberately with ``skyresume db upgrade``)."""

@@ -1152,8 +1152,6 @@ class Agent:
         env.setdefault(Env.ATTEMPT, str(self.cfg.attempt))
         if self.cfg.service_url:
             env.setdefault(Env.SERVICE_URL, self.cfg.service_url)
-        if self.token:
-            env.setdefault(Env.JOB_TOKEN, self.token)
         # torchrun's own SIGTERM path (if it is signalled) then honours our grace
         # instead of its fixed 30 s.
         env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(max(1, math.ceil(self.cfg.grace_s)))
@@ -1454,7 +1452,11 @@ def main(argv: list[str] | None = None) -> None:
         run_env = {k: v for k, v in sorted(environ.items()) if k.startswith("SKYRESUME_RUN_")}
         print(json.dumps({"config": doc, "run_env": run_env}, indent=2))
         sys.exit(EXIT_OK)
-    token = environ.get(TOKEN_ENV) or None
+    token = environ.pop(TOKEN_ENV, None) or None
+    # Out of this process's environment too: whatever it starts (torchrun, the ranks,
+    # py-spy, the all-reduce check) inherits none of it. The ranks talk to the agent
+    # over UDP, never to the service, so none of them needs it.
+    os.environ.pop(TOKEN_ENV, None)
     if cfg.service_url and not token:
         print(
             f"skyresume-agent: error: {TOKEN_ENV} is not set (the service token)", file=sys.stderr

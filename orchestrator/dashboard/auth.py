@@ -1,9 +1,15 @@
 """Browser sessions for the dashboard.
 
-The operator types the token once on the login form; the browser then holds a
-cookie that is *derived* from the token (HMAC-SHA256 of a fixed label, keyed by the
-token), not the token itself. So a leaked cookie opens the dashboard but is not an
-API bearer token, and changing the token ends every dashboard session.
+The operator types a token once on the login form (the bootstrap token or any live
+operator token, of any role: the dashboard only reads); the service opens a
+server-side session (:mod:`orchestrator.store.tokens`) and the browser holds its
+random session id in a cookie. The database keeps only the id's sha256, so neither
+a leaked cookie nor a leaked table is an API bearer token.
+
+A session ends when it expires (``dashboard_session_hours``, 12 h by default), on
+logout, when the token it was opened with is revoked, or when an admin revokes every
+session (``skyresume token revoke-sessions``). Every page checks the row, so an end
+takes effect on the next request.
 
 The cookie is HttpOnly (no script reads it), SameSite=Strict (no other site's page
 can send it: the CSRF defence for the dashboard's POSTs), scoped to ``/dashboard``,
@@ -13,36 +19,65 @@ never come back, which would make login on a loopback service impossible).
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+from datetime import timedelta
 
 from fastapi import Request, Response
 
+from orchestrator.api.auth import operator_principal
+from orchestrator.store import tokens
+from orchestrator.store.models import DashboardSession
+
 COOKIE = "skyresume_dashboard"
 COOKIE_PATH = "/dashboard"
-MAX_AGE_S = 7 * 24 * 3600
-_LABEL = b"skyresume dashboard session v1"
 
 
-def session_value(token: str) -> str:
-    return hmac.new(token.encode(), _LABEL, hashlib.sha256).hexdigest()
+def _ttl(request: Request) -> timedelta:
+    return timedelta(hours=request.app.state.settings.dashboard_session_hours)
+
+
+def current_session(request: Request) -> DashboardSession | None:
+    """The live session this request's cookie names (one lookup per request)."""
+    if hasattr(request.state, "dashboard_session"):
+        held: DashboardSession | None = request.state.dashboard_session
+        return held
+    given = request.cookies.get(COOKIE, "")
+    row = None
+    if given:
+        with request.app.state.sessionmaker() as s:
+            row = tokens.lookup_session(s, given)
+    request.state.dashboard_session = row
+    return row
 
 
 def is_logged_in(request: Request) -> bool:
+    return current_session(request) is not None
+
+
+def open_session(request: Request, given_token: str) -> str | None:
+    """A new session for the holder of ``given_token``: its id for the cookie, or None
+    when the token is not a live operator token."""
+    principal = operator_principal(request, given_token.strip())
+    if principal is None:
+        return None
+    with request.app.state.sessionmaker.begin() as s:
+        return tokens.open_session(
+            s, role=principal.role, token_id=principal.token_id, ttl=_ttl(request)
+        )
+
+
+def end_session(request: Request) -> None:
+    """Revoke the session of this request's cookie (logout)."""
     given = request.cookies.get(COOKIE, "")
-    expected = session_value(request.app.state.token)
-    return bool(given) and hmac.compare_digest(given.encode(), expected.encode())
+    if given:
+        with request.app.state.sessionmaker.begin() as s:
+            tokens.close_session(s, given)
 
 
-def token_is_right(request: Request, given: str) -> bool:
-    return hmac.compare_digest(given.strip().encode(), request.app.state.token.encode())
-
-
-def set_session(request: Request, response: Response) -> None:
+def set_session(request: Request, response: Response, session_id: str) -> None:
     response.set_cookie(
         COOKIE,
-        session_value(request.app.state.token),
-        max_age=MAX_AGE_S,
+        session_id,
+        max_age=int(_ttl(request).total_seconds()),
         path=COOKIE_PATH,
         httponly=True,
         samesite="strict",

@@ -123,15 +123,18 @@ async def login(request: Request) -> Response:
     target = auth.safe_next((form.get("next") or [""])[0])
     if not token.strip():
         return _render("login.html", 400, next=target, error="enter the operator token")
-    if not auth.token_is_right(request, token):
-        return _render("login.html", 401, next=target, error="that token is not the operator token")
+    session_id = auth.open_session(request, token)
+    if session_id is None:
+        return _render("login.html", 401, next=target, error="that token is unknown or revoked")
     response = RedirectResponse(target, 303)
-    auth.set_session(request, response)
+    auth.set_session(request, response, session_id)
     return response
 
 
 @pages.post("/logout")
 def logout(request: Request) -> Response:
+    """Ends the session on the server too: the old cookie opens nothing afterwards."""
+    auth.end_session(request)
     response = RedirectResponse("/dashboard/login", 303)
     auth.clear_session(request, response)
     return response

@@ -127,8 +127,8 @@ def _signal_all(pids: list[int], sig: int) -> None:
 
 
 class LocalLauncher:
-    """This machine as a cloud (see the module docstring). ``token_for(job_id)`` gives
-    the agent's job token, which reaches the node as a task secret."""
+    """This machine as a cloud (see the module docstring). ``token_for(job_id, attempt)``
+    gives the agent's token for that attempt, which reaches the node as a task secret."""
 
     name = "local"
     abilities = LauncherAbilities(restarts_in_place=True, chaos=True)
@@ -137,7 +137,7 @@ class LocalLauncher:
         self,
         root: Path,
         service_url: str,
-        token_for: Callable[[str], str],
+        token_for: Callable[[str, int], str],
         *,
         provider: str = "aws",
         python: str = sys.executable,

@@ -447,7 +447,7 @@ class SkyPilotLauncher:
     def __init__(
         self,
         settings: Any = None,
-        token_for: Callable[[str], str] | None = None,
+        token_for: Callable[[str, int], str] | None = None,
         *,
         template: str = DEFAULT_TEMPLATE,
         templates_dir: Path = TEMPLATES_DIR,
@@ -458,7 +458,7 @@ class SkyPilotLauncher:
         submit_timeout_s: float = 30.0,
     ) -> None:
         self.settings = settings
-        self.token_for = token_for or (lambda _job: "")
+        self.token_for = token_for or (lambda _job, _attempt: "")
         self.template = template
         self.templates_dir = templates_dir
         self.package = package
@@ -535,7 +535,7 @@ class SkyPilotLauncher:
     def build(self, request: LaunchRequest, task: TaskSpec | None = None) -> Any:
         """The job's ``sky.Task``, pinned to the request's placement."""
         task = task or getattr(request, "task", None)
-        token = self.token_for(request.job_id)
+        token = self.token_for(request.job_id, request.attempt)
         if task is not None and task.skypilot_yaml:
             return build_task_from_user_yaml(
                 task.skypilot_yaml,
@@ -559,7 +559,7 @@ class SkyPilotLauncher:
         """(the task config every node runs, its secrets), as :meth:`build` renders
         them but without SkyPilot (the local provisioner runs the same task)."""
         task = task or request.task
-        token = self.token_for(request.job_id)
+        token = self.token_for(request.job_id, request.attempt)
         if task is not None and task.skypilot_yaml:
             config = user_yaml_config(
                 task.skypilot_yaml, request, package=self.package, templates_dir=self.templates_dir

@@ -201,3 +201,48 @@ class ProtocolStep(Base):
     detail: Mapped[str | None] = mapped_column(Text)
     result: Mapped[dict | None] = mapped_column(JSON)
     """What the step decided, for the steps after it (confirmed checkpoint, placement)."""
+
+
+class ApiToken(Base):
+    """An operator token, stored as the sha256 of the token (never the token: it is
+    printed once, at creation). A revoked token keeps its row, with ``revoked_at``,
+    so ``token list`` shows what existed; its name may be used again."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(64))
+    role: Mapped[str] = mapped_column(String(16))
+    """viewer | operator | admin (``orchestrator.store.tokens.Role``)"""
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+# One live token per name, so "revoke NAME" means one token (a partial index: a
+# revoked token's name may be used again).
+Index(
+    "ix_api_tokens_live_name",
+    ApiToken.name,
+    unique=True,
+    sqlite_where=ApiToken.revoked_at.is_(None),
+    postgresql_where=ApiToken.revoked_at.is_(None),
+)
+
+
+class DashboardSession(Base):
+    """A dashboard login: the sha256 of the session id the cookie holds, the role it
+    was opened with, and when it ends. ``token_id`` None: opened with the bootstrap
+    token. Revoking the token revokes its sessions (and the lookup checks it too)."""
+
+    __tablename__ = "dashboard_sessions"
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True, autoincrement=True)
+    session_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    token_id: Mapped[int | None] = mapped_column(
+        ForeignKey("api_tokens.id", ondelete="CASCADE"), index=True
+    )
+    role: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -114,7 +114,7 @@ def test_unknown_job_is_404_and_an_attempt_that_never_existed_is_409(client, job
 def test_job_token_opens_its_own_job_only(client, job):
     other = client.post("/v1/jobs", json=job_spec(name="other")).json()["id"]
     add_attempt(client.app.state.sessionmaker, other, 1)
-    tok = job_token(client.app.state.token, job)
+    tok = job_token(client.app.state.token, job, 1)
     h = {"Authorization": f"Bearer {tok}"}
     body = {"node_rank": 0, "ranks": [], **AGENT}
     assert client.post(base(job) + "/register", json=body, headers=h).status_code == 200

@@ -77,7 +77,7 @@ def start_agent(tmp_path: Path, service: Service) -> Iterator[Callable[..., Agen
         log = tmp_path / f"agent-{node}.log"
         full_env = {
             **os.environ,
-            "SKYRESUME_AGENT_TOKEN": job_token(service.token, job_id),
+            "SKYRESUME_AGENT_TOKEN": job_token(service.token, job_id, attempt),
             "AGENT_TEST_MARKS": str(marks),
             "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
             **(env or {}),

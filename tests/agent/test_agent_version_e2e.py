@@ -36,7 +36,7 @@ def run_agent_as(version: str, service: Service, job_id: str, tmp_path: Path):
     ]  # fmt: skip
     env = {
         **os.environ,
-        "SKYRESUME_AGENT_TOKEN": job_token(service.token, job_id),
+        "SKYRESUME_AGENT_TOKEN": job_token(service.token, job_id, 1),
         "PYTHONPATH": str(ROOT),
     }
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)

@@ -73,7 +73,7 @@ def _agent(service: Service, job: str, tmp: Path, s3: seaweed.SeaweedS3, uri: st
     env = {
         **os.environ,
         **s3.env(),
-        "SKYRESUME_AGENT_TOKEN": job_token(service.token, job),
+        "SKYRESUME_AGENT_TOKEN": job_token(service.token, job, 1),
         "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
         "OUT": str(out),
         Env.STAGE_FROM: uri,

@@ -31,7 +31,7 @@ def main(home: str, port: str, bridge: str, subnet: str) -> None:
     fabric.up()
     url = f"http://{fabric.gateway}:{port}"
     launcher = LocalLauncher(
-        root, url, lambda job_id: job_token(app.state.token, job_id), network="netns"
+        root, url, lambda j, a: job_token(app.state.token, j, a), network="netns"
     )
     launcher._fabric = fabric  # the private bridge, before the launcher makes srbr0
     service.cleanup.callback(fabric.teardown)

@@ -58,7 +58,7 @@ def netns_launcher(tmp_path: Path) -> Iterator[LocalLauncher]:
     if REASON is not None:
         pytest.skip(f"no network fabric: {REASON}")
     launcher = LocalLauncher(
-        tmp_path / "nodes", "http://10.255.255.1:9", lambda j: "t", network="netns"
+        tmp_path / "nodes", "http://10.255.255.1:9", lambda j, a: "t", network="netns"
     )
     bridge = f"srbrc{secrets.token_hex(2)}"
     fabric = Fabric(
@@ -74,12 +74,12 @@ def netns_launcher(tmp_path: Path) -> Iterator[LocalLauncher]:
 
 
 def test_the_local_launcher_declares_link_chaos(tmp_path: Path) -> None:
-    launcher = LocalLauncher(tmp_path, "http://127.0.0.1:9", lambda j: "t")
+    launcher = LocalLauncher(tmp_path, "http://127.0.0.1:9", lambda j, a: "t")
     assert isinstance(launcher, ChaosLauncher)
 
 
 def test_on_loopback_link_chaos_is_refused_saying_it_needs_namespaces(tmp_path: Path) -> None:
-    launcher = LocalLauncher(tmp_path, "http://127.0.0.1:9", lambda j: "t")
+    launcher = LocalLauncher(tmp_path, "http://127.0.0.1:9", lambda j, a: "t")
     (node, _), _ = _cluster(launcher, JOB)
     refusal = launcher.link_chaos_refusal()
     assert refusal is not None and "root" in refusal and "network namespace" in refusal
@@ -182,7 +182,7 @@ def _running_job(client: Any, app: Any, launcher: LocalLauncher) -> str:
 
 
 def test_the_route_refuses_link_chaos_on_loopback_with_409(client, app, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    launcher = LocalLauncher(tmp_path / "nodes", "http://127.0.0.1:9", lambda j: "t")
+    launcher = LocalLauncher(tmp_path / "nodes", "http://127.0.0.1:9", lambda j, a: "t")
     job = _running_job(client, app, launcher)
     for body in (
         {"action": "partition", "node": 0},

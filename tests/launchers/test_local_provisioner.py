@@ -73,7 +73,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> str:
 def loopback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wheel: str):  # type: ignore[no-untyped-def]
     monkeypatch.setenv("SKYRESUME_TOKEN", "the-operator-token")  # must never reach a node
     launcher = LocalLauncher(
-        tmp_path / "nodes", "http://10.255.255.1:9", lambda job: f"agent-token-{job}",
+        tmp_path / "nodes", "http://10.255.255.1:9", lambda job, attempt: f"agent-token-{job}",
         provision_delay_s=1.0, package=wheel,
     )  # fmt: skip
     yield launcher
@@ -163,7 +163,7 @@ def test_a_user_s_own_task_yaml_runs_its_setup_and_hands_its_run_to_the_agent(lo
 @pytest.mark.skipif(Fabric.unavailable_reason() is not None, reason="needs network namespaces")
 def test_nodes_in_namespaces_are_hosts_of_their_own(tmp_path: Path, wheel: str):
     launcher = LocalLauncher(
-        tmp_path / "nodes", "http://10.255.255.1:9", lambda job: "t", network="netns",
+        tmp_path / "nodes", "http://10.255.255.1:9", lambda job, attempt: "t", network="netns",
         package=wheel,
     )  # fmt: skip
     try:
@@ -192,7 +192,7 @@ def test_a_host_is_never_handed_out_twice_until_it_is_given_back(tmp_path: Path,
     from orchestrator.launchers.base import CapacityError
 
     launcher = LocalLauncher(
-        tmp_path / "nodes", "http://10.255.255.1:9", lambda job: "t", package=wheel,
+        tmp_path / "nodes", "http://10.255.255.1:9", lambda job, attempt: "t", package=wheel,
         hosts_per_region=1,
     )  # fmt: skip
     try:

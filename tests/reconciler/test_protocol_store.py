@@ -441,7 +441,7 @@ def test_a_replacement_with_less_gpu_memory_gets_replanned_knobs_and_the_same_gl
     local = LocalLauncher(
         tmp_path / "nodes",
         "http://svc",
-        lambda j: "t",
+        lambda j, a: "t",
         gpu_memory_gib=80,
         replacement_gpu_memory_gib=40,
     )

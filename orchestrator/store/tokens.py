@@ -1,0 +1,219 @@
+"""Operator tokens with roles, and dashboard sessions: the rows and their rules.
+
+Neither a token nor a session id is ever stored: a row holds the sha256 of it. Both
+are 32 random bytes (``secrets.token_urlsafe``), so a plain hash is enough: there is
+nothing to brute-force, and a stolen table opens nothing. A lookup finds the row by
+its hash (an index) and then compares the hashes in constant time.
+
+The bootstrap token (``SKYRESUME_TOKEN`` or ``<home>/token``) has no row: the API
+compares it itself, and it is admin. Sessions opened with it have ``token_id`` None.
+
+Functions take a Session and commit nothing (the caller owns the transaction), and
+take ``now`` so tests fix the clock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+from datetime import UTC, datetime, timedelta
+from enum import StrEnum
+
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from orchestrator.store.models import ApiToken, DashboardSession
+from orchestrator.store.repo import NotFound
+
+#: What operator tokens and session ids start with: a log scrubber (and a person
+#: reading a leaked string) can tell them apart from anything else.
+TOKEN_PREFIX = "sro_"
+SESSION_PREFIX = "srs_"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class Role(StrEnum):
+    """What a token may do; each role may do everything the ones before it may."""
+
+    viewer = "viewer"  # reads: every GET of the API, the dashboard
+    operator = "operator"  # submit, cancel, chaos, events; what agents' routes need
+    admin = "admin"  # token and session management
+
+    def allows(self, needed: Role) -> bool:
+        return _RANK[self] >= _RANK[needed]
+
+
+_RANK = {Role.viewer: 0, Role.operator: 1, Role.admin: 2}
+
+
+class NameTaken(ValueError):
+    """A live token already has that name; the API answers 409."""
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _utc(d: datetime) -> datetime:
+    return d if d.tzinfo else d.replace(tzinfo=UTC)  # SQLite gives naive datetimes back
+
+
+def digest(secret: str) -> str:
+    """The sha256 (hex) that rows hold instead of the token or session id."""
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def check_name(name: str) -> str:
+    if not _NAME.match(name):
+        raise ValueError(
+            "a token name is 1-64 letters, digits, '.', '_' or '-', starting with a "
+            f"letter or digit, got {name!r}"
+        )
+    if name.isdigit():
+        raise ValueError(f"a token name cannot be all digits (it would read as an id): {name!r}")
+    return name
+
+
+# --- tokens ---------------------------------------------------------------------------
+
+
+def create_token(
+    session: Session, name: str, role: Role, *, now: datetime | None = None
+) -> tuple[ApiToken, str]:
+    """A new token: its row and the token itself, which exists nowhere else after this
+    returns (the caller shows it once). NameTaken when a live token has ``name``."""
+    check_name(name)
+    plain = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    row = ApiToken(name=name, role=Role(role).value, token_hash=digest(plain),
+                   created_at=now or utcnow())  # fmt: skip
+    try:
+        with session.begin_nested():
+            session.add(row)
+            session.flush()
+    except IntegrityError:
+        raise NameTaken(f"a token named {name!r} exists; revoke it first") from None
+    return row, plain
+
+
+def list_tokens(session: Session, *, include_revoked: bool = False) -> list[ApiToken]:
+    q = select(ApiToken).order_by(ApiToken.id)
+    if not include_revoked:
+        q = q.where(ApiToken.revoked_at.is_(None))
+    return list(session.scalars(q))
+
+
+def find_token(session: Session, ref: str) -> ApiToken:
+    """The live token named ``ref``, or with id ``ref`` (digits; revoked or not)."""
+    if ref.isdigit():
+        row = session.get(ApiToken, int(ref))
+    else:
+        q = select(ApiToken).where(ApiToken.name == ref, ApiToken.revoked_at.is_(None))
+        row = session.scalars(q).first()
+    if row is None:
+        raise NotFound(f"no token {ref!r} (give a live token's name or any token's id)")
+    return row
+
+
+def revoke_token(
+    session: Session, ref: str, *, now: datetime | None = None
+) -> tuple[ApiToken, int]:
+    """Revoke a token and every dashboard session opened with it: (the row, how many
+    sessions ended). Revoking a revoked token changes nothing."""
+    now = now or utcnow()
+    row = find_token(session, ref)
+    if row.revoked_at is None:
+        row.revoked_at = now
+    ended = session.execute(
+        update(DashboardSession)
+        .where(DashboardSession.token_id == row.id, DashboardSession.revoked_at.is_(None))
+        .values(revoked_at=now)
+    )
+    session.flush()
+    return row, int(ended.rowcount or 0)  # type: ignore[attr-defined]
+
+
+def lookup_token(session: Session, plain: str) -> ApiToken | None:
+    """The live token whose hash matches ``plain`` (None: unknown or revoked)."""
+    if not plain.startswith(TOKEN_PREFIX):
+        return None  # not one of ours: no query
+    want = digest(plain)
+    row = session.scalars(select(ApiToken).where(ApiToken.token_hash == want)).first()
+    if row is None or row.revoked_at is not None:
+        return None
+    return row if hmac.compare_digest(row.token_hash, want) else None
+
+
+# --- dashboard sessions -----------------------------------------------------------------
+
+
+def open_session(
+    session: Session,
+    *,
+    role: Role,
+    token_id: int | None,
+    ttl: timedelta,
+    now: datetime | None = None,
+) -> str:
+    """A new dashboard session; returns the session id for the cookie (stored hashed)."""
+    now = now or utcnow()
+    plain = SESSION_PREFIX + secrets.token_urlsafe(32)
+    session.add(
+        DashboardSession(
+            session_hash=digest(plain),
+            token_id=token_id,
+            role=Role(role).value,
+            created_at=now,
+            expires_at=now + ttl,
+        )
+    )
+    session.flush()
+    return plain
+
+
+def lookup_session(
+    session: Session, plain: str, *, now: datetime | None = None
+) -> DashboardSession | None:
+    """The live session ``plain`` names: not revoked, not expired, and its token (if it
+    has one) not revoked. None otherwise."""
+    if not plain.startswith(SESSION_PREFIX):
+        return None
+    now = now or utcnow()
+    want = digest(plain)
+    row = session.scalars(
+        select(DashboardSession).where(DashboardSession.session_hash == want)
+    ).first()
+    if row is None or row.revoked_at is not None or _utc(row.expires_at) <= now:
+        return None
+    if row.token_id is not None:
+        token = session.get(ApiToken, row.token_id)
+        if token is None or token.revoked_at is not None:
+            return None
+    return row if hmac.compare_digest(row.session_hash, want) else None
+
+
+def close_session(session: Session, plain: str, *, now: datetime | None = None) -> bool:
+    """Revoke the session ``plain`` names (logout); False when there was none live."""
+    if not plain.startswith(SESSION_PREFIX):
+        return False
+    ended = session.execute(
+        update(DashboardSession)
+        .where(
+            DashboardSession.session_hash == digest(plain), DashboardSession.revoked_at.is_(None)
+        )
+        .values(revoked_at=now or utcnow())
+    )
+    return bool(ended.rowcount)  # type: ignore[attr-defined]
+
+
+def revoke_all_sessions(session: Session, *, now: datetime | None = None) -> int:
+    """End every live dashboard session; how many ended."""
+    now = now or utcnow()
+    ended = session.execute(
+        update(DashboardSession)
+        .where(DashboardSession.revoked_at.is_(None), DashboardSession.expires_at > now)
+        .values(revoked_at=now)
+    )
+    return int(ended.rowcount or 0)  # type: ignore[attr-defined]
