@@ -167,8 +167,8 @@ def test_sources_md_lists_the_corpus_as_it_is() -> None:
 
 #: Floors against regressions, below the issue's target (>= 95% held-out, no class
 #: under 85%), which the rules do not meet yet: BENCHMARKS.md has the measured figures.
-HELD_OUT_FLOOR = 0.87
-DEV_FLOOR = 0.95
+HELD_OUT_FLOOR = 0.88
+DEV_FLOOR = 0.97
 
 
 def test_classifier_holds_its_measured_accuracy_on_both_parts() -> None:
