@@ -26,7 +26,7 @@ import typer
 from rich.table import Table
 
 from orchestrator import server
-from orchestrator.commands import cloud, failures, goodput, plan, recovery
+from orchestrator.commands import cloud, failures, goodput, plan, recovery, tokens
 from orchestrator.commands.common import (
     Client,
     Output,
@@ -282,7 +282,7 @@ def db_current(db_url: Annotated[str | None, typer.Option("--db-url")] = None) -
 
 
 # After the core commands, so that --help lists them first.
-for area in (cloud, failures, goodput, plan, recovery):
+for area in (cloud, failures, goodput, plan, recovery, tokens):
     area.register(app)
 
 

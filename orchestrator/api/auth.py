@@ -38,7 +38,7 @@ from orchestrator.settings import Settings
 if TYPE_CHECKING:
     from fastapi import Request
 
-    from orchestrator.store.tokens import Role
+    from orchestrator.domain.roles import Role
 
 AGENT_TOKEN_PREFIX = "sra_"
 #: The name the bootstrap token goes by in messages and in ``token list``.
@@ -114,8 +114,8 @@ def bearer_token(request: Request) -> str | None:
 def operator_principal(request: Request, token: str) -> Principal | None:
     """Who ``token`` is, as an operator token (None: not one, or revoked). The
     bootstrap token costs no query; a stored token one indexed lookup."""
+    from orchestrator.domain.roles import Role
     from orchestrator.store import tokens
-    from orchestrator.store.tokens import Role
 
     if token_matches(token, request.app.state.token):
         return Principal(BOOTSTRAP, Role.admin, None)

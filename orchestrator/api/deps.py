@@ -17,7 +17,7 @@ from fastapi import Depends, HTTPException, Request, status
 from sqlalchemy.orm import Session
 
 from orchestrator.api.auth import Principal, bearer_token, operator_principal
-from orchestrator.store.tokens import Role
+from orchestrator.domain.roles import Role
 
 #: Methods that only read: what a viewer may call.
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})

@@ -58,11 +58,11 @@ from orchestrator.api.auth import (
 )
 from orchestrator.api.deps import forbid_unless, unauthorized
 from orchestrator.contract import AGENT_PROTOCOL
+from orchestrator.domain.roles import Role
 from orchestrator.store import agents
 from orchestrator.store.liveness import LiveHeartbeats, Verdict
 from orchestrator.store.models import NodeCommand
 from orchestrator.store.repo import NotFound
-from orchestrator.store.tokens import Role
 
 log = logging.getLogger(__name__)
 

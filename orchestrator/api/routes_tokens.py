@@ -15,9 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.api.deps import AdminDep, OperatorDep, PrincipalDep, SessionDep
 from orchestrator.api.schemas import UtcDatetime
+from orchestrator.domain.roles import Role
 from orchestrator.store import tokens
 from orchestrator.store.repo import NotFound
-from orchestrator.store.tokens import Role
 
 admin = APIRouter(prefix="/v1", dependencies=[AdminDep], tags=["tokens"])
 anyone = APIRouter(prefix="/v1", dependencies=[OperatorDep], tags=["tokens"])

@@ -19,12 +19,12 @@ import hmac
 import re
 import secrets
 from datetime import UTC, datetime, timedelta
-from enum import StrEnum
 
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from orchestrator.domain.roles import Role
 from orchestrator.store.models import ApiToken, DashboardSession
 from orchestrator.store.repo import NotFound
 
@@ -34,19 +34,7 @@ TOKEN_PREFIX = "sro_"
 SESSION_PREFIX = "srs_"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
-
-class Role(StrEnum):
-    """What a token may do; each role may do everything the ones before it may."""
-
-    viewer = "viewer"  # reads: every GET of the API, the dashboard
-    operator = "operator"  # submit, cancel, chaos, events; what agents' routes need
-    admin = "admin"  # token and session management
-
-    def allows(self, needed: Role) -> bool:
-        return _RANK[self] >= _RANK[needed]
-
-
-_RANK = {Role.viewer: 0, Role.operator: 1, Role.admin: 2}
+__all__ = ["Role"]  # re-exported: the store's callers name roles from here or the domain
 
 
 class NameTaken(ValueError):
