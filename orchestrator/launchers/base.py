@@ -52,6 +52,18 @@ class LaunchRequest:
     """Hosts never to place a node on (a hardware fault or a slow node was blamed on
     them). A cloud gives a fresh VM on every launch; a launcher that picks hosts
     itself must skip these."""
+    launch_try: int = 0
+    """How many launch requests of this attempt failed before this one. A launch is
+    keyed by (job, attempt, try): asked again for a key it already holds, a launcher
+    answers with that request and starts nothing (a leader that crashed or lost its
+    lease after the request was accepted, before recording it, is adopted by the
+    next); a failed request's successor has a key, and so a request, of its own."""
+
+    @property
+    def launch_key(self) -> str:
+        """``<job>-a<attempt>`` on the first try, ``<job>-a<attempt>-t<try>`` after."""
+        suffix = f"-t{self.launch_try}" if self.launch_try else ""
+        return f"{self.job_id}-a{self.attempt}{suffix}"
 
 
 @dataclass(frozen=True)
@@ -102,7 +114,7 @@ class Launcher(Protocol):
 
     def launch(self, request: LaunchRequest) -> LaunchHandle:
         """Ask for the nodes and return at once with the request's handle (idempotent
-        per job and attempt): provisioning is polled with :meth:`progress`, never
+        per :attr:`LaunchRequest.launch_key`): provisioning is polled with :meth:`progress`, never
         waited on. CapacityError or LaunchError only when the request itself is
         refused before it is accepted (a bad task, a stocked-out region known now)."""
         ...

@@ -111,6 +111,13 @@ def node_pids(job_id: str, node_id: str) -> list[int]:
     return marked_pids({_marker(job_id, node_id): node_id})[node_id]
 
 
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -408,24 +415,33 @@ class LocalLauncher:
         job, attempt = request.job_id, request.attempt
         nodes, base = request.placement.num_nodes, request.node_rank_base
         # A launch beside kept nodes is a cluster of its own, its nodes ranked after them.
-        cluster = f"{job}-a{attempt}" + (f"-b{base}" if base else "")
+        cluster = request.launch_key + (f"-b{base}" if base else "")
         node_ids = tuple(node_id_for(job, attempt, base + k) for k in range(nodes))
         meta = self.root / job / f"{cluster}.json"
-        if meta.exists():
-            # Idempotent: a service that restarted mid-launch must not start twins.
-            doc = json.loads(meta.read_text())
-            return LaunchHandle(
-                cluster, self.name, tuple(doc["node_ids"]), tuple(doc.get("hosts", ())),
-                str(doc.get("request_id") or ""),
-            )  # fmt: skip
-        region = request.placement.region
-        if previous is not None and previous.hosts:
-            hosts = tuple(previous.hosts)
-        else:
-            if region not in self.regions:
-                raise LaunchError(f"no local region {region!r} ({', '.join(self.regions)})")
-            hosts = self._hosts_for(region, nodes, request.exclude_hosts)
-        task, secrets = self.render(request)
+        (self.root / job).mkdir(parents=True, exist_ok=True)
+        # Idempotent per launch key, across processes: whoever creates the claim starts
+        # the request; anyone else (a service restarted mid-launch, a new leader while
+        # the old one was paused inside this call) is answered with it, never twins.
+        claim = self.root / job / f"{cluster}.claim"
+        try:
+            os.close(os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except FileExistsError:
+            return self._adopt(cluster, node_ids)
+        try:
+            region = request.placement.region
+            if previous is not None and previous.hosts:
+                hosts = tuple(previous.hosts)
+            else:
+                if region not in self.regions:
+                    raise LaunchError(f"no local region {region!r} ({', '.join(self.regions)})")
+                hosts = self._hosts_for(region, nodes, request.exclude_hosts)
+            task, secrets = self.render(request)
+        except Exception:  # refused before it was accepted: the key may be asked again
+            claim.unlink(missing_ok=True)
+            raise
+        # The machines are this launch's from now on, so that ``down`` finds them even
+        # when the service dies before the request's meta is written.
+        self._set_allocation(hosts, cluster)
         fabric = self.fabric
         net = [fabric.add_host(h) for h in hosts] if fabric is not None else [None] * nodes
         ips = [h.ip if h is not None else "127.0.0.1" for h in net]
@@ -474,25 +490,46 @@ class LocalLauncher:
                 start_new_session=True,
             )  # fmt: skip
         except OSError as e:
+            self._set_allocation(hosts, None)
+            claim.unlink(missing_ok=True)
             raise LaunchError(f"could not start the provisioner for {cluster}: {e}") from None
         finally:
             log.close()
         with self._lock:
             self._procs[cluster] = boot
-        self._set_allocation(hosts, cluster)  # the machines are this launch's now
         request_id = f"local-{cluster}-{boot.pid}"
-        meta.write_text(
-            json.dumps(
-                {
-                    "node_ids": list(node_ids),
-                    "master_port": master_port,
-                    "hosts": list(hosts),
-                    "request_id": request_id,
-                    "boot_pid": boot.pid,
-                }
-            )
-        )
+        doc = {
+            "node_ids": list(node_ids),
+            "master_port": master_port,
+            "hosts": list(hosts),
+            "request_id": request_id,
+            "boot_pid": boot.pid,
+        }
+        tmp = meta.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, meta)  # a reader never sees half of it
         return LaunchHandle(cluster, self.name, node_ids, hosts, request_id)
+
+    #: How long a claimed launch may go without its meta before it counts as dead (the
+    #: claimer died between claiming and starting the provisioner: nothing runs).
+    CLAIM_GRACE_S = 30.0
+
+    def _adopt(self, cluster: str, node_ids: tuple[str, ...]) -> LaunchHandle:
+        """The handle of a launch another call (maybe another process) claimed."""
+        job = cluster.rsplit("-a", 1)[0]
+        doc = read_json(self.root / job / f"{cluster}.json")
+        if doc.get("node_ids"):
+            return LaunchHandle(
+                cluster, self.name, tuple(doc["node_ids"]), tuple(doc.get("hosts", ())),
+                str(doc.get("request_id") or ""),
+            )  # fmt: skip
+        hosts = tuple(h for h, c in self._allocated().items() if c == cluster)
+        return LaunchHandle(cluster, self.name, node_ids, hosts, f"local-{cluster}")
+
+    def launch_requests(self, job_id: str) -> list[str]:
+        """Every launch key this launcher was ever asked to start for ``job_id`` (the
+        claims, which outlive the request): what the harnesses count launches by."""
+        return sorted(p.stem for p in (self.root / job_id).glob("*.claim"))
 
     def progress(self, handle: LaunchHandle) -> LaunchProgress:
         """The boot process's state file; a boot that died without one failed."""
@@ -510,6 +547,10 @@ class LocalLauncher:
         pid = meta.get("boot_pid")
         if isinstance(pid, int) and _alive(pid):
             return LaunchProgress(LaunchPhase.PROVISIONING, "booting")
+        claim = self.root / job / f"{handle.cluster_name}.claim"
+        with contextlib.suppress(OSError):
+            if not meta and time.time() - claim.stat().st_mtime < self.CLAIM_GRACE_S:
+                return LaunchProgress(LaunchPhase.PROVISIONING, "being started")
         log = self.root / job / f"{handle.cluster_name}.boot.log"
         return LaunchProgress(
             LaunchPhase.FAILED, f"the provisioner of {handle.cluster_name} died; see {log}"
@@ -556,12 +597,17 @@ class LocalLauncher:
         if isinstance(boot, int) and _alive(boot):
             _signal_all([boot], signal.SIGKILL)  # a launch given up while provisioning
         self._reap()
+        # A handle adopted before its meta existed may not know its hosts: the
+        # allocation does.
+        hosts = tuple(handle.hosts) or tuple(
+            h for h, c in self._allocated().items() if c == handle.cluster_name
+        )
         fabric = self.fabric
         if fabric is not None:
-            for h in handle.hosts:  # the VM is gone: its address and link with it
+            for h in hosts:  # the VM is gone: its address and link with it
                 with contextlib.suppress(Exception):
                     fabric.remove_host(h)
-        self._set_allocation(tuple(handle.hosts), None)
+        self._set_allocation(hosts, None)
 
     # --- chaos (local only) ------------------------------------------------------------
 
@@ -643,8 +689,10 @@ class LocalLauncher:
         cluster, sep, _ = node_id.rpartition("-n")
         if not sep:
             return {}
-        for path in [self.root / job_id / f"{cluster}.json",
-                     *sorted((self.root / job_id).glob(f"{cluster}-b*.json"))]:  # fmt: skip
+        # A retried launch (``-t<try>``) reuses the node ids: the newest launch wins.
+        paths = [self.root / job_id / f"{cluster}.json",
+                 *(self.root / job_id).glob(f"{cluster}-*.json")]  # fmt: skip
+        for path in sorted(paths, key=_mtime, reverse=True):
             meta = read_json(path)
             if node_id in (meta.get("node_ids") or ()):
                 return meta

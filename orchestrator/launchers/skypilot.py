@@ -78,10 +78,13 @@ METADATA_URLS = {
 _CLUSTER_NAME_MAX = 35
 
 
-def cluster_name_for(job_id: str, attempt: int) -> str:
-    """``sr-<job id>-a<attempt>``: lower case, letters first, under 35 characters."""
+def cluster_name_for(job_id: str, attempt: int, launch_try: int = 0) -> str:
+    """``sr-<job id>-a<attempt>`` (``-t<try>`` after a failed request of the attempt):
+    lower case, letters first, under 35 characters. The name is the launch's key
+    (``LaunchRequest.launch_key``): SkyPilot is asked whether it holds a request for it
+    before anything is submitted."""
     base = re.sub(r"[^a-z0-9-]+", "-", job_id.lower()).strip("-") or "job"
-    suffix = f"-a{attempt}"
+    suffix = f"-a{attempt}" + (f"-t{launch_try}" if launch_try else "")
     return ("sr-" + base)[: _CLUSTER_NAME_MAX - len(suffix)].rstrip("-") + suffix
 
 
@@ -584,7 +587,7 @@ class SkyPilotLauncher:
         ``api_server.requests_retention_hours`` (24 h by default); the cluster's own
         status is not read here, because ``sky.status`` waits behind a busy API
         server (seconds, measured) and an unreadable one proved nothing anyway."""
-        name = cluster_name_for(request.job_id, request.attempt)
+        name = cluster_name_for(request.job_id, request.attempt, request.launch_try)
         p = request.placement
         where = f"{p.cloud}/{p.region} {p.instance_type}"
         sky_task = self.build(request, task or request.task)  # TaskRejected at once

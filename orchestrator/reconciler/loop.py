@@ -13,6 +13,18 @@ finished once, an attempt is recorded once per number, a command is enqueued in 
 same transaction as the step that sends it, and launchers refuse to start an
 attempt twice. So a service killed at any point carries on where it was when it
 comes back: the next tick gathers the same facts and decides the same next action.
+
+Leadership is fenced. The lease's epoch (``work.acquire_lease``) is the fencing
+token: every transaction that applies an action checks it (``work.fence``, a
+conditional UPDATE of the lease row) before its first write or launcher call, in the
+same transaction, so a leader that was paused or cut off past its lease and comes
+back finds its fence refused, rolls the whole transaction back, drops leadership and
+reads again: it never acts on what it saw before the pause. The one thing a fence
+cannot roll back is a launcher call already made; launches are therefore keyed by
+(job, attempt, try) (``LaunchRequest.launch_try``), and a launcher asked again for a
+key it already holds answers with that request instead of starting new nodes: a new
+leader that finds an attempt recorded with no handle adopts the launch the old one
+made, if it made one.
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
 import statistics
 import threading
@@ -65,6 +78,8 @@ class Reconciler:
 
     def __post_init__(self) -> None:
         self._last_advice: dict[str, datetime] = {}
+        self.epoch: int | None = None
+        """The lease epoch this replica holds (None: not the leader, or it lost it)."""
         self.holder = self.holder or f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -87,37 +102,68 @@ class Reconciler:
                 if self.acquire_lease():
                     self.tick()
             except Exception:  # one bad tick must not end recovery for every job
+                self.epoch = None  # a broken connection proves nothing: re-read the lease
                 log.exception("reconciler tick failed")
             self._stop.wait(self.interval_s)
 
     def acquire_lease(self, now: datetime | None = None) -> bool:
         with self.sessionmaker() as s:
-            return work.acquire_lease(s, self.holder, self.lease_s, now or repo.utcnow())
+            epoch = work.acquire_lease(s, self.holder, self.lease_s, now or repo.utcnow())
+        if epoch != self.epoch:
+            log.info("reconciler %s: leader at epoch %s (was %s)", self.holder, epoch, self.epoch)
+        self.epoch = epoch
+        return epoch is not None
 
     def tick(self) -> None:
         with self.sessionmaker() as s:
             ids = work.jobs_to_reconcile(s)
         for job_id in ids:
+            if self.epoch is None:  # lost the lease during this tick: the new leader goes on
+                return
             try:
                 self.reconcile(job_id)
             except Exception:
                 log.exception("job %s: reconcile failed", job_id)
 
     def reconcile(self, job_id: str, now: datetime | None = None) -> list[rc.Action]:
-        """One gather -> decide -> apply round for one job; returns what it applied."""
+        """One gather -> decide -> apply round for one job, fenced by the lease; returns
+        what it applied (nothing when this replica is not the leader)."""
+        for _ in range(2):
+            if self.epoch is None and not self.acquire_lease(now):
+                return []
+            try:
+                return self._reconcile_fenced(job_id, now)
+            except work.NotLeader as e:
+                # Everything of this round was rolled back; whatever it saw may be stale.
+                log.warning("job %s: %s; dropping leadership and reading again", job_id, e)
+                self.epoch = None
+        return []
+
+    def _reconcile_fenced(self, job_id: str, now: datetime | None) -> list[rc.Action]:
         with self.sessionmaker() as s, s.begin():
             snap, rows = gather_snapshot(s, job_id, now or repo.utcnow(), self.launcher)
             actions = rc.decide(snap, self.config)
+            if actions:
+                self._fence(s, now)
             for action in actions:
                 log.info("job %s: %s", job_id, action)
                 self.apply(s, rows, snap, action)
             if not actions and snap.status is JobStatus.RUNNING and snap.incident is None:
-                self.advise_interval(s, rows, snap)
+                self.advise_interval(s, rows, snap, now=now)
         return actions
+
+    def _fence(self, s: Session, now: datetime | None) -> None:
+        """Before the first write of a transaction: this replica still leads at its
+        epoch (``work.fence``), read on the clock of now, not the snapshot's."""
+        if self.epoch is None:
+            raise work.NotLeader(f"{self.holder} holds no lease")
+        work.fence(s, self.holder, self.epoch, self.lease_s, now or repo.utcnow())
 
     # --- checkpoint interval ------------------------------------------------------------
 
-    def advise_interval(self, s: Session, rows: Rows, snap: rc.JobSnapshot) -> int | None:
+    def advise_interval(
+        self, s: Session, rows: Rows, snap: rc.JobSnapshot, *, now: datetime | None = None
+    ) -> int | None:
         """Push Young's interval to a running job when it moved meaningfully.
 
         Save time: the ranks' measured blocking time (``blocking_s`` of the newest
@@ -146,6 +192,7 @@ class Reconciler:
         new = rc.checkpoint_every_update(current, max(facts.step_times), advice.interval_seconds)
         if new is None:
             return None
+        self._fence(s, now)  # a command to the nodes: only the leader sends one
         text = (
             f"checkpoint every {new} steps (was {current}): Young's interval "
             f"{advice.interval_minutes:.1f} min for {save:.2f} s blocking "
@@ -178,7 +225,8 @@ class Reconciler:
             case rc.RecordAttempt():
                 work.record_attempt(s, rows.job, rows.spec, action, self.launcher.name, now)
             case rc.StartNodes(number=n):
-                self._start_nodes(s, rows, n, now)
+                tries = snap.attempt.launch_failures if snap.attempt is not None else ()
+                self._start_nodes(s, rows, n, now, launch_try=len(tries))
             case rc.MarkProvisioned(number=n, hosts=hosts):
                 work.attempt_up(s, rows.job, job_id, n, hosts, now)
             case rc.LaunchRequestFailed(number=n, detail=detail, capacity=capacity):
@@ -259,11 +307,20 @@ class Reconciler:
         ):
             self._down(rows.job.id, handle)
 
-    def _start_nodes(self, s: Session, rows: Rows, number: int, now: datetime) -> None:
+    def _start_nodes(
+        self, s: Session, rows: Rows, number: int, now: datetime, *, launch_try: int = 0
+    ) -> None:
         """Ask the launcher for the recorded attempt exactly as it was recorded. The
         launcher answers with a request at once (provisioning is polled on later
         ticks, never waited on here); a refusal is recorded (``launch_failed``) for
-        ``decide`` to re-plan or stop."""
+        ``decide`` to re-plan or stop.
+
+        ``launch_try`` (the launch failures already recorded for the attempt) keys the
+        request with the job and attempt: a leader that crashed, or lost its lease,
+        between the launcher's answer and the commit left an attempt with no handle,
+        and the next one to ask for the same key is answered with the same request
+        (adopted, never launched twice); after a failed request the key moves on, so
+        a re-plan is a new request and not the failed one again."""
         job, spec = rows.job, rows.spec
         a = attempt_row(s, job.id, number)
         if a is None or a.handle:
@@ -306,6 +363,7 @@ class Reconciler:
             grace_s=spec.restarts.grace_period_s,
             task=spec.task,
             exclude_hosts=tuple(k.get("exclude_hosts") or ()),
+            launch_try=launch_try,
         )
         previous = attempt_row(s, job.id, number - 1)
         keep = list(k.get("keep") or [])
@@ -330,6 +388,7 @@ class Reconciler:
                 now=now, retryable=not isinstance(e, TaskRejected),
             )  # fmt: skip
             return
+        crash_point("launch-accepted")
         work.attempt_started(s, a, parts, now)
 
     def _join_survivors(
@@ -375,3 +434,16 @@ class Reconciler:
             env={**request.env, **group, Env.NODE_RANK_BASE: str(base)},
             node_rank_base=base,
         )
+
+
+#: ``SKYRESUME_CRASH_AT``: the crash-safety harness (bench/crashsafe.py) sets it to
+#: make the service SIGKILL itself at a point no outside observer can time, e.g.
+#: ``launch-accepted`` (the launcher holds the request; the handle is not committed).
+CRASH_AT_ENV = "SKYRESUME_CRASH_AT"
+
+
+def crash_point(name: str) -> None:
+    """SIGKILL this process here when ``SKYRESUME_CRASH_AT`` names this point."""
+    if os.environ.get(CRASH_AT_ENV) == name:
+        log.warning("crash point %s: SIGKILL", name)
+        os.kill(os.getpid(), signal.SIGKILL)

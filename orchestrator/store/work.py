@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import case, or_, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -32,8 +32,15 @@ from orchestrator.store.snapshot import attempt_row, parts_of, utc
 LEASE_NAME = "reconciler"
 
 
-def acquire_lease(s: Session, holder: str, lease_s: float, now: datetime) -> bool:
-    """Take or renew the reconciler lease; False while another holder's is valid."""
+class NotLeader(RuntimeError):
+    """The fence refused the write: another replica holds the lease now (or this one's
+    ran out). The transaction must be rolled back and the snapshot read again."""
+
+
+def acquire_lease(s: Session, holder: str, lease_s: float, now: datetime) -> int | None:
+    """Take or renew the reconciler lease; its epoch (the fencing token), or None while
+    another holder's lease is valid. The epoch grows by one each time the lease changes
+    holder, never on a renewal (nobody else acted in between)."""
     until = now + timedelta(seconds=lease_s)
     try:
         with s.begin():
@@ -41,16 +48,60 @@ def acquire_lease(s: Session, holder: str, lease_s: float, now: datetime) -> boo
                 update(Lease)
                 .where(Lease.name == LEASE_NAME)
                 .where(or_(Lease.holder == holder, Lease.expires_at < now))
-                .values(holder=holder, expires_at=until)
-            ).rowcount
-            if got:
-                return True
+                .values(
+                    holder=holder,
+                    expires_at=until,
+                    epoch=case((Lease.holder == holder, Lease.epoch), else_=Lease.epoch + 1),
+                )
+                .returning(Lease.epoch)
+            ).scalar_one_or_none()
+            if got is not None:
+                return int(got)
             if s.get(Lease, LEASE_NAME) is None:
-                s.add(Lease(name=LEASE_NAME, holder=holder, expires_at=until))
-                return True
-            return False
+                s.add(Lease(name=LEASE_NAME, holder=holder, expires_at=until, epoch=1))
+                s.flush()
+                return 1
+            return None
     except IntegrityError:  # another replica inserted first
-        return False
+        return None
+
+
+def fence(s: Session, holder: str, epoch: int, lease_s: float, now: datetime) -> None:
+    """Check, inside the caller's transaction, that ``holder`` still holds the lease at
+    ``epoch`` and it has not run out, and renew it; NotLeader when not.
+
+    Every transaction of the reconciler that writes (launch intent, attempt, release,
+    node command, step transition) calls this before its first write or launcher
+    call. It is a conditional UPDATE of the lease row, so the row stays locked until
+    the caller commits: on PostgreSQL a replica taking the lease over waits for that
+    commit, then finds the lease renewed (and takes nothing), or it went first and
+    this UPDATE matches no row. Either way the writes of two epochs never interleave.
+    On PostgreSQL the transaction also gets ``idle_in_transaction_session_timeout``
+    = the lease's length: a holder stopped (SIGSTOP, a partition) while it holds the
+    row lock is cut off by the server, so its commit fails and the next replica waits
+    no longer than a lease. ``now`` must be read when the write happens, never the
+    snapshot's time: a leader paused between the two would fence with a stale clock.
+    """
+    if s.get_bind().dialect.name == "postgresql":
+        ms = max(1000, int(lease_s * 1000))
+        s.execute(text(f"SET LOCAL idle_in_transaction_session_timeout = {ms}"))
+    got = s.execute(
+        update(Lease)
+        .where(Lease.name == LEASE_NAME)
+        .where(Lease.holder == holder, Lease.epoch == epoch, Lease.expires_at > now)
+        .values(expires_at=now + timedelta(seconds=lease_s))
+        .execution_options(synchronize_session=False)
+    ).rowcount
+    if got != 1:
+        raise NotLeader(f"{holder} no longer holds the reconciler lease at epoch {epoch}")
+
+
+def lease_holder(s: Session) -> tuple[str, int, datetime] | None:
+    """(holder, epoch, expires_at) of the reconciler lease, for the harnesses and tests."""
+    row = s.get(Lease, LEASE_NAME)
+    if row is None:
+        return None
+    return row.holder, row.epoch, utc(row.expires_at) or row.expires_at
 
 
 def jobs_to_reconcile(s: Session) -> list[str]:
