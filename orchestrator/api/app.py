@@ -8,6 +8,7 @@ import logging
 import time
 
 from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -22,6 +23,7 @@ from orchestrator.api import (
     routes_tokens,
 )
 from orchestrator.api.auth import ensure_local_token, install_redaction
+from orchestrator.api.limits import RequestLimits, validation_error_handler
 from orchestrator.dashboard import routes as dashboard
 from orchestrator.domain.status import JobStatus
 from orchestrator.settings import Settings
@@ -88,6 +90,11 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         requests.labels(request.method, path, str(response.status_code)).inc()
         latency.labels(request.method, path).observe(time.perf_counter() - start)
         return response
+
+    # Outermost (added last): body size limits and NUL-free URLs before any route;
+    # a 422 cuts the inputs it echoes (api/limits.py).
+    app.add_middleware(RequestLimits)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
 
     @app.get("/healthz", tags=["ops"])
     def healthz() -> dict[str, str]:

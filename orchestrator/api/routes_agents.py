@@ -32,18 +32,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Annotated, Any, Literal
 
 import anyio
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response, status
-from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
@@ -57,8 +55,11 @@ from orchestrator.api.auth import (
     token_matches,
 )
 from orchestrator.api.deps import forbid_unless, unauthorized
+from orchestrator.api.limits import validation_error_response
+from orchestrator.api.schemas import MAX_CURSOR, NODE_ID_PATTERN, NodeId, no_parent_segment
 from orchestrator.contract import AGENT_PROTOCOL
 from orchestrator.domain.roles import Role
+from orchestrator.domain.spec import INT32_MAX, INT64_MAX, MAX_DETAIL_CHARS, refuse_unstorable
 from orchestrator.store import agents
 from orchestrator.store.liveness import LiveHeartbeats, Verdict
 from orchestrator.store.models import NodeCommand
@@ -100,19 +101,10 @@ async def require_job_access(request: Request, job_id: str, attempt: int) -> Non
     forbid_unless(request, principal, Role.operator)
 
 
-def _json_safe(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {str(k): _json_safe(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_json_safe(v) for v in x]
-    return x
-
-
 class _AgentRoute(APIRoute):
     """422s whose echoed input holds NaN would crash the default handler (JSON has no
-    NaN); this route class answers them with the value spelled as a string."""
+    NaN); this route class answers them with the value spelled as a string, and cut
+    (``limits.validation_detail``: a 50 MB bad body must not come back as 150 MB)."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
@@ -121,8 +113,7 @@ class _AgentRoute(APIRoute):
             try:
                 return await handler(request)
             except RequestValidationError as e:
-                detail = _json_safe(jsonable_encoder(e.errors()))
-                return JSONResponse({"detail": detail}, status_code=422)
+                return validation_error_response(e)
 
         return route
 
@@ -138,26 +129,43 @@ _package_router = APIRouter(prefix="/v1/agent", tags=["agents"])
 #: The agents' side of the API: the node routes and the package routes.
 router = APIRouter()
 
-AttemptPath = Annotated[int, Path(ge=0, description="attempt number")]
+AttemptPath = Annotated[int, Path(ge=0, le=INT32_MAX, description="attempt number")]
 NodePath = Annotated[
-    str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
+    str,
+    Path(min_length=1, max_length=64, pattern=NODE_ID_PATTERN),
+    AfterValidator(no_parent_segment),
 ]
+#: Integers that reach 32-bit columns or sit beside them (steps, ranks, pids, codes).
+_I32 = INT32_MAX
+#: A free-form value inside a report (a notice's raw answer, an anomaly's numbers).
+_Detail = Annotated[Any, AfterValidator(lambda v: refuse_unstorable(v, max_chars=MAX_DETAIL_CHARS))]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class _Checked(_Body):
+    """A whole request body, walked once before its fields (``refuse_unstorable``):
+    no NUL, unpaired surrogate, NaN, integer beyond 64 bits or JSON nested deeper
+    than ``MAX_JSON_DEPTH`` anywhere in it, free-form ``detail`` and ``data`` included."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _storable(cls, doc: Any) -> Any:
+        return refuse_unstorable(doc)
 
 
 class RankInfo(_Body):
-    rank: int = Field(ge=0)
-    local_rank: int = Field(ge=0)
-    pid: int | None = Field(default=None, ge=1)
+    rank: int = Field(ge=0, le=_I32)
+    local_rank: int = Field(ge=0, le=_I32)
+    pid: int | None = Field(default=None, ge=1, le=_I32)
 
 
-class RegisterIn(_Body):
-    node_rank: int = Field(ge=0)
+class RegisterIn(_Checked):
+    node_rank: int = Field(ge=0, le=_I32)
     hostname: str | None = Field(default=None, max_length=255)
-    agent_pid: int | None = Field(default=None, ge=1)
+    agent_pid: int | None = Field(default=None, ge=1, le=_I32)
     provider: str | None = Field(default=None, max_length=16)
     ranks: list[RankInfo] = Field(default_factory=list, max_length=4096)
     agent_version: str | None = Field(default=None, max_length=64)
@@ -166,7 +174,7 @@ class RegisterIn(_Body):
     agent_build: str | None = Field(default=None, max_length=128)
     """The wheel's source digest, or ``source`` from a checkout (logged, not compared:
     two builds of one version speak the same protocol)."""
-    protocol: int | None = Field(default=None, ge=0)
+    protocol: int | None = Field(default=None, ge=0, le=_I32)
     """``contract.AGENT_PROTOCOL`` as the agent knows it."""
 
 
@@ -211,16 +219,16 @@ _Float = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class ResumedInfo(_Body):
-    step: int | None = None
+    step: int | None = Field(default=None, ge=-_I32 - 1, le=_I32)
     manifest_digest: str | None = Field(default=None, max_length=128)
 
 
 class RankProgress(_Body):
-    rank: int = Field(ge=0)
-    local_rank: int = Field(ge=0)
-    pid: int | None = Field(default=None, ge=1)
+    rank: int = Field(ge=0, le=_I32)
+    local_rank: int = Field(ge=0, le=_I32)
+    pid: int | None = Field(default=None, ge=1, le=_I32)
     alive: bool
-    step: int | None = None
+    step: int | None = Field(default=None, ge=-_I32 - 1, le=_I32)
     step_time: _Float | None = None
     loss: _Float | None = None
     grad_norm: _Float | None = None
@@ -228,21 +236,21 @@ class RankProgress(_Body):
     """Seconds since this rank's last datagram (None: it never sent one)."""
     resumed: ResumedInfo | None = None
     """What the rank loaded, from its ``resumed`` datagram (validation, protocol step 7)."""
-    exit_code: int | None = None
+    exit_code: int | None = Field(default=None, ge=-_I32 - 1, le=_I32)
     signal: str | None = Field(default=None, max_length=16)
 
 
 class LastCheckpoint(_Body):
-    step: int = Field(ge=0)
+    step: int = Field(ge=0, le=_I32)
     path: str | None = Field(default=None, max_length=4096)
     uploaded_uri: str | None = Field(default=None, max_length=4096)
 
 
-class HeartbeatIn(_Body):
+class HeartbeatIn(_Checked):
     state: Literal["starting", "running", "stopping", "exited"]
     ranks: list[RankProgress] = Field(default_factory=list, max_length=4096)
     last_checkpoint: LastCheckpoint | None = None
-    acked_command: int | None = Field(default=None, ge=0)
+    acked_command: int | None = Field(default=None, ge=0, le=INT64_MAX)
 
 
 class CommandOut(BaseModel):
@@ -255,7 +263,7 @@ class CommandsOut(BaseModel):
     commands: list[CommandOut]
 
 
-class _Report(_Body):
+class _Report(_Checked):
     key: str = Field(min_length=1, max_length=64)
 
 
@@ -264,14 +272,14 @@ class PreemptionNoticeReport(_Report):
     provider: str = Field(max_length=16)
     notice_kind: str = Field(max_length=32)
     deadline: str | None = Field(default=None, max_length=64)
-    detail: Any = None
+    detail: _Detail = None
 
 
 class RankExitReport(_Report):
     kind: Literal["rank_exit"]
-    rank: int = Field(ge=0)
-    local_rank: int = Field(ge=0)
-    exit_code: int | None
+    rank: int = Field(ge=0, le=_I32)
+    local_rank: int = Field(ge=0, le=_I32)
+    exit_code: int | None = Field(ge=-_I32 - 1, le=_I32)
     signal: str | None = Field(default=None, max_length=16)
     log_tail: list[Annotated[str, Field(max_length=4096)]] = Field(
         default_factory=list, max_length=200
@@ -282,35 +290,35 @@ class RankExitReport(_Report):
 
 class AnomalyReport(_Report):
     kind: Literal["anomaly"]
-    rank: int = Field(ge=0)
+    rank: int = Field(ge=0, le=_I32)
     finding: Literal["nan_divergence", "loss_spike", "slow_peer", "silent_corruption"]
-    step: int | None = None
-    detail: Any = None
+    step: int | None = Field(default=None, ge=-_I32 - 1, le=_I32)
+    detail: _Detail = None
 
 
 class CheckpointReport(_Report):
     kind: Literal["checkpoint"]
-    step: int = Field(ge=0)
+    step: int = Field(ge=0, le=_I32)
     path: str | None = Field(default=None, max_length=4096)
     uploaded_uri: str | None = Field(default=None, max_length=4096)
-    world_size: int | None = Field(default=None, ge=1)
-    blocking_s: _Float | None = Field(default=None, ge=0)
+    world_size: int | None = Field(default=None, ge=1, le=_I32)
+    blocking_s: _Float | None = Field(default=None, ge=0, le=_I32)
     """How long the save blocked training (the interval advisor reads it)."""
 
 
 class NodeExitReport(_Report):
     kind: Literal["node_exit"]
-    exit_code: int
+    exit_code: int = Field(ge=-_I32 - 1, le=_I32)
     reason: str = Field(max_length=1024)
-    saved_step: int | None = None
+    saved_step: int | None = Field(default=None, ge=-_I32 - 1, le=_I32)
 
 
 class RankEvidence(_Body):
     """One rank's stack and state, taken before the kill (orchestrator/agent/evidence.py)."""
 
-    rank: int = Field(ge=0)
-    local_rank: int | None = Field(default=None, ge=0)
-    pid: int | None = Field(default=None, ge=1)
+    rank: int = Field(ge=0, le=_I32)
+    local_rank: int | None = Field(default=None, ge=0, le=_I32)
+    pid: int | None = Field(default=None, ge=1, le=_I32)
     state: str | None = Field(default=None, max_length=4)
     """``/proc`` state letter (``T``: stopped); None: the rank had exited."""
     wchan: str | None = Field(default=None, max_length=128)
@@ -342,7 +350,7 @@ class HealthCheckResult(_Body):
     status: Literal["pass", "fail", "skip", "unknown"]
     detail: str = Field(default="", max_length=1024)
     took_s: _Float | None = None
-    data: dict[str, Any] = Field(default_factory=dict)
+    data: dict[str, _Detail] = Field(default_factory=dict)
 
 
 class HealthCheckReport(_Report):
@@ -355,13 +363,13 @@ class StagedReport(_Report):
     could not: then torchrun never started and the node exits 78)."""
 
     kind: Literal["staged"]
-    node_id: str = Field(min_length=1, max_length=64)
-    step: int | None = Field(ge=0)
+    node_id: NodeId
+    step: int | None = Field(ge=0, le=_I32)
     ok: bool
     detail: str = Field(max_length=1024)
-    bytes: int = Field(ge=0)
+    bytes: int = Field(ge=0, le=INT64_MAX)
     """Bytes downloaded (0: every file was already on the node's disk, verified)."""
-    seconds: _Float = Field(ge=0)
+    seconds: _Float = Field(ge=0, le=_I32)
     uri: str = Field(max_length=4096)
 
 
@@ -573,7 +581,9 @@ async def commands(
     job_id: str,
     attempt: AttemptPath,
     node_id: NodePath,
-    after: Annotated[int, Query(ge=0, description="cursor: commands with a larger seq")] = 0,
+    after: Annotated[
+        int, Query(ge=0, le=MAX_CURSOR, description="cursor: commands with a larger seq")
+    ] = 0,
     wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, description="long-poll seconds")] = 0.0,
 ) -> CommandsOut:
     """Commands for this node after ``after``; waits up to ``wait`` s for one to arrive.

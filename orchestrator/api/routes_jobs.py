@@ -8,7 +8,16 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query, Request, Response, status
 
 from orchestrator.api.deps import OperatorDep, SessionDep
-from orchestrator.api.schemas import EventIn, EventOut, EventPage, JobDetail, JobOut, JobPage
+from orchestrator.api.schemas import (
+    MAX_CURSOR,
+    MAX_OFFSET,
+    EventIn,
+    EventOut,
+    EventPage,
+    JobDetail,
+    JobOut,
+    JobPage,
+)
 from orchestrator.domain.spec import (
     MAX_SPEC_BYTES,
     SpecError,
@@ -55,7 +64,7 @@ def list_jobs(
     session: SessionDep,
     status_: Annotated[JobStatus | None, Query(alias="status")] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
 ) -> JobPage:
     page = repo.list_jobs(session, status=status_, limit=limit, offset=offset)
     items = [JobOut.model_validate(j, from_attributes=True) for j in page.items]
@@ -94,7 +103,9 @@ def cancel_job(job_id: str, session: SessionDep) -> JobOut:
 def list_events(
     job_id: str,
     session: SessionDep,
-    after: Annotated[int, Query(ge=0, description="cursor: only events with a larger id")] = 0,
+    after: Annotated[
+        int, Query(ge=0, le=MAX_CURSOR, description="cursor: only events with a larger id")
+    ] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> EventPage:
     _job_or_404(session, job_id)
@@ -116,7 +127,9 @@ def post_event(job_id: str, body: EventIn, session: SessionDep, response: Respon
 @router.get("/events", response_model=EventPage)
 def list_all_events(
     session: SessionDep,
-    after: Annotated[int, Query(ge=0, description="cursor: only events with a larger id")] = 0,
+    after: Annotated[
+        int, Query(ge=0, le=MAX_CURSOR, description="cursor: only events with a larger id")
+    ] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> EventPage:
     """Events of every job, oldest first."""

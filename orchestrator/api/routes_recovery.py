@@ -7,11 +7,12 @@ from datetime import datetime
 from typing import Any, Literal
 
 from fastapi import APIRouter, HTTPException, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sqlalchemy import select
 
 from orchestrator.api.deps import OperatorDep, SessionDep
 from orchestrator.contract import AttemptState, CommandType, FaultKind
+from orchestrator.domain.spec import INT32_MAX, refuse_unstorable
 from orchestrator.domain.status import JobStatus
 from orchestrator.launchers.base import ChaosLauncher, LaunchError
 from orchestrator.store import repo
@@ -88,7 +89,12 @@ def list_incidents(job_id: str, session: SessionDep) -> dict[str, Any]:
 
 
 class ChaosIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _storable(cls, doc: Any) -> Any:
+        return refuse_unstorable(doc)
 
     action: Literal[
         "preempt",
@@ -106,11 +112,13 @@ class ChaosIn(BaseModel):
         "slow-link",
         "heal",
     ]
-    node: int = Field(ge=0, description="node rank within the current attempt")
+    node: int = Field(ge=0, le=INT32_MAX, description="node rank within the current attempt")
     attempt: int | None = Field(default=None, ge=1, le=1_000_000)
     """heal: the attempt the node belongs to (default the current one): a partitioned
     node of an attempt the job moved on from can be healed, to see it refused."""
-    rank: int | None = Field(default=None, ge=0, description="global rank (hang/slow)")
+    rank: int | None = Field(
+        default=None, ge=0, le=INT32_MAX, description="global rank (hang/slow)"
+    )
     provider: Literal["aws", "gcp", "azure"] | None = None
     in_seconds: float = Field(default=30.0, ge=0, le=3600)
     """preempt: how far ahead the notice announces the termination."""
@@ -269,7 +277,12 @@ def placement_history(session: SessionDep) -> dict[str, Any]:
 
 
 class StockoutIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _storable(cls, doc: Any) -> Any:
+        return refuse_unstorable(doc)
 
     region: str = Field(min_length=1, max_length=64)
     seconds: float = Field(default=600.0, ge=0, le=86400)

@@ -2,20 +2,44 @@
 
 Every model forbids unknown fields, so a typo (``num_node:``) is an error naming the
 field rather than a silently ignored setting. ``parse_job_spec_yaml`` refuses YAML
-aliases (the "billion laughs" bomb) and oversized documents before parsing further.
+aliases (the "billion laughs" bomb), oversized documents and nesting too deep for the
+parser before parsing further.
+
+Every value must be storable as it is on SQLite and PostgreSQL and readable back:
+``storage_refusal`` walks a parsed document (a spec, an event, an agent's report) and
+names the first value that is not (a NUL character, which PostgreSQL cannot store; an
+unpaired surrogate, which is not Unicode text and cannot be encoded; a non-finite
+number; an integer beyond 64 bits; nesting or size past the limits). Numbers have
+upper bounds: a count of 10**30 is a typo, and the database's integer columns hold
+32 or 64 bits. Paths refuse ``..``: a template name or a checkpoint URI never
+reaches outside where it points.
 The format is documented in the README; ``task_templates/job.example.yaml`` is a
 complete example.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_SPEC_BYTES = 256 * 1024
+#: The deepest nesting a free-form JSON value (event details, a report's ``detail``)
+#: may have. The agent's deepest (a Flight Recorder summary) is 5 levels.
+MAX_JSON_DEPTH = 32
+#: The largest a document may be, in characters of its strings and keys plus 8 per
+#: other value (about its JSON size): a backstop, as the service's body limits
+#: (api/limits.py) are tighter.
+MAX_JSON_CHARS = 8 * 1024 * 1024
+#: The largest a free-form ``detail`` inside an agent's report may be (same measure).
+MAX_DETAIL_CHARS = 64 * 1024
+#: The largest integer any column holds (BIGINT; SQLite's INTEGER is the same).
+INT64_MAX = 2**63 - 1
+#: The largest value of a 32-bit integer column (steps, ranks, attempt numbers).
+INT32_MAX = 2**31 - 1
 
 # "A100:8", "H100-80GB:8", "L4", "tpu-v5e-8"; or memory forms "nvidia:40GB+:8", "80GB:8".
 _ACCEL_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.\-]*(:[1-9][0-9]*)?$")
@@ -35,8 +59,86 @@ class SpecError(ValueError):
         super().__init__("; ".join(f"{loc}: {msg}" if loc else msg for loc, msg in errors))
 
 
+def _unstorable_str(s: str) -> str | None:
+    if "\x00" in s:
+        return "NUL characters (\\u0000) are not allowed (PostgreSQL cannot store them)"
+    if not s.isascii():
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return (
+                f"not valid Unicode text: an unpaired surrogate {s[e.start]!r} at index "
+                f"{e.start} (send text as UTF-8, not escaped halves of a character)"
+            )
+    return None
+
+
+def storage_refusal(
+    value: Any, *, where: str = "", max_depth: int = MAX_JSON_DEPTH, max_chars: int = MAX_JSON_CHARS
+) -> str | None:
+    """Why ``value`` (parsed JSON or YAML) cannot be stored and read back, naming the
+    first bad place as a dotted path; None when it can.
+
+    Iterative, so a deep document costs no recursion (the limit is ``max_depth``)."""
+    budget = max_chars
+    stack: list[tuple[Any, str, int]] = [(value, where, 0)]
+    while stack:
+        v, at, depth = stack.pop()
+        name = at or "the body"
+        if isinstance(v, str):
+            budget -= len(v)
+            why = _unstorable_str(v)
+            if why:
+                return f"{name}: {why}"
+        elif isinstance(v, bool) or v is None:
+            budget -= 8
+        elif isinstance(v, int):
+            budget -= 8
+            if not -INT64_MAX - 1 <= v <= INT64_MAX:
+                return f"{name}: the integer {str(v)[:40]} is beyond 64 bits"
+        elif isinstance(v, float):
+            budget -= 8
+            if not math.isfinite(v):
+                return f"{name}: {v} is not a finite number (JSON has no NaN or Infinity)"
+        elif isinstance(v, dict | list | tuple):
+            if depth >= max_depth:
+                return f"{name}: nested deeper than {max_depth} levels"
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            for k, child in items:
+                key = str(k)
+                if isinstance(v, dict):
+                    budget -= len(key)
+                    why = _unstorable_str(key)
+                    if why:
+                        return f"{name}: the key {key[:40]!r}: {why}"
+                stack.append((child, f"{at}.{key}" if at else key, depth + 1))
+        else:
+            budget -= 8
+        if budget < 0:
+            return f"{name}: the value is larger than {max_chars} characters"
+    return None
+
+
+def refuse_unstorable(value: Any, **kw: Any) -> Any:
+    """``storage_refusal`` as a pydantic before-validator: raises ValueError naming it."""
+    why = storage_refusal(value, **kw)
+    if why:
+        raise ValueError(why)
+    return value
+
+
+def _no_parent_segments(path: str, what: str) -> None:
+    if ".." in re.split(r"[/\\]", path):
+        raise ValueError(f"{path[:200]!r}: {what} may not contain '..' (no path traversal)")
+
+
+#: A template is a file name in ``task_templates/`` (without ``.yaml``), never a path.
+_TEMPLATE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]*(\.[A-Za-z0-9_\-]+)*$")
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No NaN or Infinity: a timeout of Infinity is a typo, and JSON cannot carry it.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class TaskSpec(_Strict):
@@ -47,6 +149,23 @@ class TaskSpec(_Strict):
     skypilot_yaml: str | None = None
     command: str | None = None
     """The training command, run by the node agent under torchrun."""
+
+    @field_validator("template")
+    @classmethod
+    def _template(cls, v: str | None) -> str | None:
+        if v is not None and (len(v) > 64 or not _TEMPLATE.match(v)):
+            raise ValueError(
+                f"{v[:80]!r} is not a template name: use the name of a file in "
+                "task_templates/ without .yaml (letters, digits, '-', '_', '.'; no path)"
+            )
+        return v
+
+    @field_validator("skypilot_yaml")
+    @classmethod
+    def _skypilot_yaml(cls, v: str | None) -> str | None:
+        if v is not None:
+            _no_parent_segments(v, "a SkyPilot YAML path")
+        return v
 
     @model_validator(mode="after")
     def _one_source(self) -> TaskSpec:
@@ -81,15 +200,17 @@ class AcceleratorChoice(_Strict):
 class ModelProfile(_Strict):
     """Enough of the model for the memory planner to estimate bytes per GPU."""
 
-    parameters: int = Field(gt=0)
-    layers: int = Field(gt=0)
-    hidden_size: int = Field(gt=0)
-    heads: int = Field(gt=0)
-    seq_len: int = Field(gt=0)
-    global_batch: int = Field(gt=0, description="sequences per optimizer step, all ranks")
-    micro_batch: int = Field(gt=0, description="sequences per rank per forward pass")
+    parameters: int = Field(gt=0, le=10**15)
+    layers: int = Field(gt=0, le=100_000)
+    hidden_size: int = Field(gt=0, le=10**7)
+    heads: int = Field(gt=0, le=100_000)
+    seq_len: int = Field(gt=0, le=10**9)
+    global_batch: int = Field(
+        gt=0, le=INT32_MAX, description="sequences per optimizer step, all ranks"
+    )
+    micro_batch: int = Field(gt=0, le=INT32_MAX, description="sequences per rank per forward pass")
     dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
-    optimizer_bytes_per_param: float = Field(default=12.0, gt=0)
+    optimizer_bytes_per_param: float = Field(default=12.0, gt=0, le=1024)
     sharding: Literal["ddp", "fsdp"] = "ddp"
 
     @model_validator(mode="after")
@@ -104,8 +225,10 @@ class ModelProfile(_Strict):
 class CheckpointSpec(_Strict):
     uri: str
     """file:///abs/path, s3://bucket/prefix or gs://bucket/prefix."""
-    every_steps: int = Field(default=100, ge=1)
-    keep: int = Field(default=3, ge=2, description="complete checkpoints kept (at least 2)")
+    every_steps: int = Field(default=100, ge=1, le=INT32_MAX)
+    keep: int = Field(
+        default=3, ge=2, le=1000, description="complete checkpoints kept (at least 2)"
+    )
     adaptive: bool = True
     """Let the service move ``every_steps`` to Young's interval for the measured save
     time and failure rate while the job runs (pushed to the ranks when it changes by
@@ -118,6 +241,7 @@ class CheckpointSpec(_Strict):
         if not m:
             raise ValueError(f"{v!r} must start with file://, s3:// or gs://")
         scheme, rest = m.groups()
+        _no_parent_segments(rest, "a checkpoint URI")
         if scheme == "file" and not rest.startswith("/"):
             raise ValueError(f"{v!r}: file:// needs an absolute path (file:///path)")
         if scheme in ("s3", "gs") and not re.match(r"^[a-z0-9][a-z0-9.\-_]{1,62}(/|$)", rest):
@@ -126,22 +250,24 @@ class CheckpointSpec(_Strict):
 
 
 class RestartPolicy(_Strict):
-    max_restarts: int = Field(default=10, ge=0)
-    heartbeat_timeout_s: float = Field(default=30.0, gt=0)
+    max_restarts: int = Field(default=10, ge=0, le=100_000)
+    heartbeat_timeout_s: float = Field(default=30.0, gt=0, le=86400)
     provision_timeout_s: float = Field(default=900.0, gt=0, le=86400)
     """How long a launch may take to provision (a cloud takes minutes) before that
     placement is given up on like a stockout: cooled down, the job re-planned. The
     register timeout is separate and starts only once the nodes are up."""
-    grace_period_s: float = Field(default=90.0, gt=0, description="time ranks get to save")
-    max_same_user_error: int = Field(default=2, ge=1)
+    grace_period_s: float = Field(
+        default=90.0, gt=0, le=86400, description="time ranks get to save"
+    )
+    max_same_user_error: int = Field(default=2, ge=1, le=100_000)
     """The same user code error (exception type and message) this many times fails
     the job: the bug is in the script, and a restart reproduces it."""
     on_anomaly: Literal["rollback", "rollback_skip", "fail"] = "rollback"
     """NaN/Inf or a persistent loss spike: resume from the newest checkpoint older than
     the onset (rollback), also skip the batches around it (rollback_skip), or stop."""
-    max_same_anomaly: int = Field(default=2, ge=1)
+    max_same_anomaly: int = Field(default=2, ge=1, le=100_000)
     """The same anomaly at the same step this many times fails the job."""
-    skip_after_onset: int = Field(default=10, ge=0)
+    skip_after_onset: int = Field(default=10, ge=0, le=INT32_MAX)
     """rollback_skip: steps past the onset whose batches are skipped too."""
 
 
@@ -149,7 +275,7 @@ class JobSpec(_Strict):
     name: str
     task: TaskSpec
     num_nodes: int = Field(ge=1, le=4096)
-    min_nodes: int | None = Field(default=None, ge=1)
+    min_nodes: int | None = Field(default=None, ge=1, le=4096)
     """Elastic runs may continue on fewer nodes, down to this. Default: num_nodes."""
     ranks_per_node: int = Field(default=1, ge=1, le=64)
     accelerators: list[str] | AcceleratorChoice = Field(default_factory=list)
@@ -157,11 +283,18 @@ class JobSpec(_Strict):
     free choice ranked by cost, the list's order breaking ties; ``ordered: [...]`` is
     a strict preference, as in SkyPilot's task YAML."""
     spot: bool = True
-    clouds: list[Cloud] = Field(default_factory=list)
-    regions: list[str] = Field(default_factory=list)
+    clouds: list[Cloud] = Field(default_factory=list, max_length=64)
+    regions: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
+        default_factory=list, max_length=256
+    )
     model: ModelProfile | None = None
     checkpoint: CheckpointSpec
     restarts: RestartPolicy = Field(default_factory=RestartPolicy)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _storable(cls, doc: Any) -> Any:
+        return refuse_unstorable(doc)
 
     @field_validator("name")
     @classmethod
@@ -242,6 +375,8 @@ def load_yaml_document(text: str | bytes, *, what: str = "job spec") -> Any:
         raise SpecError([("", f"{what} is {len(text)} bytes; the limit is {MAX_SPEC_BYTES}")])
     try:
         return yaml.load(text, Loader=_NoAliasLoader)
+    except RecursionError:  # PyYAML composes nested nodes recursively: [[[[...]]]]
+        raise SpecError([("", f"unreadable YAML: the {what} is nested too deeply")]) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""

@@ -1,0 +1,159 @@
+"""Limits on what a request may carry, before any route reads it.
+
+* Body size: every route has a limit (``BODY_LIMIT``); agent reports get one of their
+  own (``REPORT_BODY_LIMIT``), sized for the biggest a real agent sends: an evidence
+  report carries up to 1 MiB characters of stacks (``EVIDENCE_REPORT_CAP``; JSON
+  escapes newlines, so ~1.2 MB) plus findings and Flight Recorder summaries. A body
+  over its limit is 413 naming the limit, refused from ``Content-Length`` before it is
+  read, or (chunked) as soon as the bytes read pass the limit. Without this one
+  node's token stored a 50 MB report.
+* NUL in the path or the query: 422. PostgreSQL cannot compare text holding NUL, so
+  ``/v1/jobs/%00`` reached the database as an error (500).
+* A 422 never echoes a large input back: pydantic puts the whole offending value in
+  each error's ``input`` (a bad 50 MB event came back as a 152 MB answer), so inputs
+  are cut to ``ECHO_CHARS`` and at most ``MAX_ERRORS`` errors are listed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+from urllib.parse import unquote
+
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+#: Every route's request body limit, in bytes (a job spec has its own, smaller one).
+BODY_LIMIT = 1024 * 1024
+#: An agent report's body limit (see the module docstring for its size).
+REPORT_BODY_LIMIT = 4 * 1024 * 1024
+#: Characters of an offending input a 422 shows.
+ECHO_CHARS = 200
+#: Errors a 422 lists (a list of 4096 bad items is 4096 errors).
+MAX_ERRORS = 20
+
+
+def body_limit_for(path: str) -> int:
+    """The body limit of a request path."""
+    if path.startswith("/v1/jobs/") and path.endswith("/reports"):
+        return REPORT_BODY_LIMIT
+    return BODY_LIMIT
+
+
+def _mib(n: int) -> str:
+    return f"{n} bytes ({n / 1024 / 1024:g} MiB)"
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _json(status: int, detail: str) -> JSONResponse:
+    return JSONResponse({"detail": detail}, status_code=status)
+
+
+class RequestLimits:
+    """ASGI middleware: body size limits and NUL-free URLs (the module docstring)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope.get("path", "")
+        query = unquote(scope.get("query_string", b"").decode("latin-1"))
+        if "\x00" in path or "\x00" in query:
+            where = "path" if "\x00" in path else "query string"
+            await _json(422, f"the URL's {where} holds a NUL character (%00)")(scope, receive, send)
+            return
+        limit = body_limit_for(path)
+        what = f"{scope.get('method', '')} {path[:200]}"
+        length = _content_length(scope)
+        if length is not None and length > limit:
+            msg = f"request body is {length} bytes; the limit for {what} is {_mib(limit)}"
+            await _json(413, msg)(scope, receive, send)
+            return
+        if length is not None:  # the server reads exactly Content-Length bytes
+            await self.app(scope, receive, send)
+            return
+        seen = 0
+        started = False
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise _TooLarge
+            return message
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counted, tracked)
+        except _TooLarge:
+            if started:
+                raise
+            msg = f"request body is over {limit} bytes; the limit for {what} is {_mib(limit)}"
+            await _json(413, msg)(scope, receive, send)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for k, v in scope.get("headers") or []:
+        if k == b"content-length":
+            try:
+                return int(v)
+            except ValueError:
+                return None
+    return None
+
+
+def _short(x: Any) -> Any:
+    """A value as a 422 may show it: JSON-safe (NaN spelled out), and cut when long."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    try:
+        text = json.dumps(x, allow_nan=False, default=str)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(x)
+    else:
+        if len(text) <= ECHO_CHARS:
+            return x
+    return f"{text[:ECHO_CHARS]}... ({len(text)} characters, cut)"
+
+
+def validation_detail(errors: list[Any]) -> list[Any]:
+    """pydantic's errors with every ``input`` (and ``ctx`` value) cut to ECHO_CHARS."""
+    out: list[Any] = []
+    for err in errors[:MAX_ERRORS]:
+        e = dict(err)
+        if "input" in e:
+            e["input"] = _short(e["input"])
+        if isinstance(e.get("ctx"), dict):
+            e["ctx"] = {
+                k: _short(str(v) if isinstance(v, Exception) else v) for k, v in e["ctx"].items()
+            }
+        out.append(e)
+    if len(errors) > MAX_ERRORS:
+        out.append({"msg": f"{len(errors) - MAX_ERRORS} more errors not shown"})
+    return jsonable_encoder(out)
+
+
+def validation_error_response(e: RequestValidationError) -> JSONResponse:
+    return JSONResponse({"detail": validation_detail(list(e.errors()))}, status_code=422)
+
+
+async def validation_error_handler(_request: Request, e: Exception) -> JSONResponse:
+    assert isinstance(e, RequestValidationError)
+    return validation_error_response(e)
