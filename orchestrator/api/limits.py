@@ -5,7 +5,7 @@
   report carries up to 1 MiB characters of stacks (``EVIDENCE_REPORT_CAP``; JSON
   escapes newlines, so ~1.2 MB) plus findings and Flight Recorder summaries. A body
   over its limit is 413 naming the limit, refused from ``Content-Length`` before it is
-  read, or (chunked) as soon as the bytes read pass the limit. Without this one
+  read, or (chunked) as soon as the bytes read pass it. Without this one
   node's token stored a 50 MB report.
 * NUL in the path or the query: 422. PostgreSQL cannot compare text holding NUL, so
   ``/v1/jobs/%00`` reached the database as an error (500).
@@ -48,10 +48,6 @@ def _mib(n: int) -> str:
     return f"{n} bytes ({n / 1024 / 1024:g} MiB)"
 
 
-class _TooLarge(Exception):
-    pass
-
-
 def _json(status: int, detail: str) -> JSONResponse:
     return JSONResponse({"detail": detail}, status_code=status)
 
@@ -82,31 +78,30 @@ class RequestLimits:
         if length is not None:  # the server reads exactly Content-Length bytes
             await self.app(scope, receive, send)
             return
+        # No Content-Length (chunked): read the body here, up to the limit, and hand
+        # the app what was read. Raising from ``receive`` instead does not work: the
+        # HTTP middleware's task group wraps it, and FastAPI answers a vague 400.
+        chunks: list[bytes] = []
         seen = 0
-        started = False
-
-        async def counted() -> Message:
-            nonlocal seen
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise _TooLarge
-            return message
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            if seen > limit:
+                msg = f"request body is over {limit} bytes; the limit for {what} is {_mib(limit)}"
+                await _json(413, msg)(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replay: list[Message] = [{"type": "http.request", "body": b"".join(chunks)}]
 
-        async def tracked(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
+        async def replayed() -> Message:
+            return replay.pop() if replay else await receive()
 
-        try:
-            await self.app(scope, counted, tracked)
-        except _TooLarge:
-            if started:
-                raise
-            msg = f"request body is over {limit} bytes; the limit for {what} is {_mib(limit)}"
-            await _json(413, msg)(scope, receive, send)
+        await self.app(scope, replayed, send)
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -117,6 +112,18 @@ def _content_length(scope: Scope) -> int | None:
             except ValueError:
                 return None
     return None
+
+
+def _printable(x: Any) -> Any:
+    """Strings with unpaired surrogates spelled as escapes: an answer is UTF-8, and
+    one that echoed ``\udce4`` as it came failed to encode (a 500)."""
+    if isinstance(x, str):
+        return x.encode("utf-8", "backslashreplace").decode("utf-8") if not x.isascii() else x
+    if isinstance(x, dict):
+        return {_printable(k): _printable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_printable(v) for v in x]
+    return x
 
 
 def _short(x: Any) -> Any:
@@ -147,7 +154,7 @@ def validation_detail(errors: list[Any]) -> list[Any]:
         out.append(e)
     if len(errors) > MAX_ERRORS:
         out.append({"msg": f"{len(errors) - MAX_ERRORS} more errors not shown"})
-    return jsonable_encoder(out)
+    return _printable(jsonable_encoder(out))
 
 
 def validation_error_response(e: RequestValidationError) -> JSONResponse:
