@@ -75,6 +75,9 @@ class Reconciler:
 
     advise_every_s: float = 60.0
     """How often a running job's checkpoint interval is re-advised."""
+    heard_since: datetime | None = None
+    """When this service started hearing agents (set by :meth:`start`): a node's
+    silence is counted from then at the earliest (``JobSnapshot.heard_since``)."""
 
     def __post_init__(self) -> None:
         self._last_advice: dict[str, datetime] = {}
@@ -87,6 +90,7 @@ class Reconciler:
     # --- running --------------------------------------------------------------------
 
     def start(self) -> Reconciler:
+        self.heard_since = self.heard_since or repo.utcnow()
         self._thread = threading.Thread(target=self._run, name="reconciler", daemon=True)
         self._thread.start()
         return self
@@ -142,6 +146,8 @@ class Reconciler:
     def _reconcile_fenced(self, job_id: str, now: datetime | None) -> list[rc.Action]:
         with self.sessionmaker() as s, s.begin():
             snap, rows = gather_snapshot(s, job_id, now or repo.utcnow(), self.launcher)
+            if self.heard_since is not None:
+                snap = replace(snap, heard_since=self.heard_since)
             actions = rc.decide(snap, self.config)
             if actions:
                 self._fence(s, now)
@@ -388,7 +394,7 @@ class Reconciler:
                 now=now, retryable=not isinstance(e, TaskRejected),
             )  # fmt: skip
             return
-        crash_point("launch-accepted")
+        crash_point("launch-accepted", number)
         work.attempt_started(s, a, parts, now)
 
     def _join_survivors(
@@ -442,8 +448,10 @@ class Reconciler:
 CRASH_AT_ENV = "SKYRESUME_CRASH_AT"
 
 
-def crash_point(name: str) -> None:
-    """SIGKILL this process here when ``SKYRESUME_CRASH_AT`` names this point."""
-    if os.environ.get(CRASH_AT_ENV) == name:
-        log.warning("crash point %s: SIGKILL", name)
+def crash_point(name: str, attempt: int | None = None) -> None:
+    """SIGKILL this process here when ``SKYRESUME_CRASH_AT`` names this point
+    (``name``, or ``name@N`` for attempt N only)."""
+    want = os.environ.get(CRASH_AT_ENV)
+    if want is not None and want in (name, f"{name}@{attempt}"):
+        log.warning("crash point %s (attempt %s): SIGKILL", name, attempt)
         os.kill(os.getpid(), signal.SIGKILL)

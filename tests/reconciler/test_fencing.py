@@ -232,7 +232,7 @@ def test_a_launch_the_old_leader_made_but_never_recorded_is_adopted_not_repeated
     p = pair
     assert p.a.reconcile(p.job, now=at(0))  # attempt 1 recorded
 
-    def crash(name: str) -> None:
+    def crash(name: str, attempt: int | None = None) -> None:
         if name == "launch-accepted":
             raise Crash(name)
 
@@ -241,7 +241,7 @@ def test_a_launch_the_old_leader_made_but_never_recorded_is_adopted_not_repeated
         p.a.reconcile(p.job, now=at(1))
     assert p.launcher.started == [f"{p.job}-a1"]
     assert p.attempts()[0].handle is None  # nothing of it was committed
-    monkeypatch.setattr(loop, "crash_point", lambda name: None)
+    monkeypatch.setattr(loop, "crash_point", lambda name, attempt=None: None)
     assert p.b.reconcile(p.job, now=at(12))
     assert p.launcher.started == [f"{p.job}-a1"]  # adopted, not launched again
     assert p.attempts()[0].handle["request_id"] == f"req-{p.job}-a1"
