@@ -112,7 +112,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
             return JSONResponse({"status": "unavailable", "reason": type(e).__name__}, 503)
         return JSONResponse({"status": "ready"})
 
-    @app.get("/metrics", tags=["ops"])
+    @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse)
     def metrics() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(registry).decode(), media_type="text/plain")
 
