@@ -131,8 +131,12 @@ def operator_principal(request: Request, token: str) -> Principal | None:
 _SHAPES = re.compile(
     r"(?i:bearer)\s+\S+"  # an Authorization header value
     r"|\bsr[oas]_[A-Za-z0-9_\-]{8,}"  # our operator, agent and session tokens
-    r"|(?<=[?&])(?i:token|session|access_token)=[^&\s\"]+"  # a token in a query string
+    r"|(?<=[?&])(?P<key>(?i:token|session|access_token))=[^&\s\"]+"  # in a query string
 )
+
+
+def _redacted(m: re.Match[str]) -> str:
+    return f"{m['key']}=[redacted]" if m["key"] else "[redacted]"
 
 
 class RedactSecrets(logging.Filter):
@@ -150,7 +154,7 @@ class RedactSecrets(logging.Filter):
         for lit in self.literals:
             if lit and lit in text:
                 text = text.replace(lit, "[redacted]")
-        return _SHAPES.sub("[redacted]", text)
+        return _SHAPES.sub(_redacted, text)
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.msg, str):
