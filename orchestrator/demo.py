@@ -99,14 +99,21 @@ def node_gateway(home: Path) -> tuple[str, str]:
 
 
 class DemoService:
-    def __init__(self, home: Path, env: dict[str, str] | None = None, *, s3: bool = False) -> None:
+    def __init__(
+        self,
+        home: Path,
+        env: dict[str, str] | None = None,
+        *,
+        s3: bool = False,
+        port: int | None = None,
+    ) -> None:
         """``env``: more ``SKYRESUME_*`` settings for the service (e.g. its regions).
         ``s3``: a SeaweedFS S3 server is the checkpoint store (``checkpoint_uri``),
         listening where the nodes reach this machine."""
         from orchestrator.launchers.local import free_port
 
         self.home = home
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.gateway, self.network = node_gateway(home)
         self.s3: Any = None
@@ -129,13 +136,31 @@ class DemoService:
             SKYRESUME_RECONCILE="true",
             SKYRESUME_LAUNCHER="local",
         )
+        self._proc_env = proc_env
         self.log = open(home / "service.log", "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
+        self.proc = self._serve()
+
+    def _serve(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
             [sys.executable, "-m", "orchestrator.cli", "serve"],
-            env=proc_env,
+            env=self._proc_env,
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
+
+    def restart(self, sig: int = signal.SIGTERM, timeout_s: float = 60) -> Any:
+        """Stop the service process alone (``sig``: SIGTERM as a process manager's
+        restart, SIGKILL as a crash) and start it again on the same home, port and
+        settings; the nodes and the S3 server keep running. Returns the new client."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = self._serve()
+        return self.wait_ready(timeout_s)
 
     def wait_ready(self, timeout_s: float = 60) -> Any:
         import httpx
@@ -172,9 +197,9 @@ class DemoService:
             raise DemoError(f"the S3 server (SeaweedFS) did not start: {e}") from None
 
     def stop(self) -> None:
-        if self.s3 is not None:
-            self.s3.stop()
-            self.s3 = None
+        """Stop the service, then give back every node it left running (the service
+        itself leaves them, as a cloud's VMs outlive the control plane) and the S3
+        server."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -182,7 +207,35 @@ class DemoService:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        release_local_nodes(
+            self.home,
+            bridge=self._proc_env.get("SKYRESUME_LOCAL_BRIDGE", ""),
+            subnet=self._proc_env.get("SKYRESUME_LOCAL_SUBNET", ""),
+        )
+        if self.s3 is not None:
+            self.s3.stop()
+            self.s3 = None
         self.log.close()
+
+
+def release_local_nodes(home: Path, *, bridge: str = "", subnet: str = "") -> int:
+    """Every process and host the local launcher of a service on ``home`` left behind,
+    given back (launchers.local.release_everything); how many processes were killed."""
+    from orchestrator.launchers.local import release_everything
+    from orchestrator.server import local_bridge, local_network
+    from orchestrator.settings import Settings
+
+    root = home / "local-nodes"
+    if not root.is_dir():
+        return 0
+    settings = Settings(home=home, launcher="local", local_bridge=bridge, local_subnet=subnet)
+    fabric = None
+    if (root / "fabric").is_dir() and local_network(settings)[0] == "netns":
+        from orchestrator.launchers.netns import Fabric
+
+        bridge, subnet = local_bridge(settings)
+        fabric = Fabric(root / "fabric", bridge=bridge, subnet=subnet)
+    return release_everything(root, fabric)
 
 
 def api_get(http: Any, path: str) -> Any:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import socket
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -179,7 +179,9 @@ def node_service_url(settings: Settings, launcher: Launcher) -> str:
     return settings.effective_service_url
 
 
-def make_launcher(settings: Settings, token: str, cleanup: contextlib.ExitStack) -> Launcher:
+def make_launcher(
+    settings: Settings, token: str, cleanup: contextlib.ExitStack, wheels: Any = None
+) -> Launcher:
     """The launcher ``settings.launcher`` names, its release registered on ``cleanup``.
 
     Whoever builds a launcher knows what it holds: the local one runs a metadata
@@ -190,7 +192,7 @@ def make_launcher(settings: Settings, token: str, cleanup: contextlib.ExitStack)
     from orchestrator.api.auth import job_token
 
     if settings.launcher == "local":
-        return _local_launcher(settings, token, cleanup)
+        return _local_launcher(settings, token, cleanup, wheels)
     from orchestrator.launchers.skypilot import SkyPilotLauncher
     from orchestrator.package import agent_package_spec
     from orchestrator.settings import require_routable
@@ -200,7 +202,7 @@ def make_launcher(settings: Settings, token: str, cleanup: contextlib.ExitStack)
     require_routable(settings.effective_service_url, launcher="skypilot")
     # What the nodes pip install: the operator's spec, or this service's own wheel
     # (built now, once), by URL pinned to its sha256 (PackageUnavailable: no source tree).
-    package = agent_package_spec(settings)
+    package = agent_package_spec(settings, wheels)
     return SkyPilotLauncher(
         settings=settings,
         token_for=lambda j, a: job_token(token, j, a),
@@ -237,7 +239,9 @@ def local_bridge(settings: Settings) -> tuple[str, str]:
     return bridge, subnet
 
 
-def _local_launcher(settings: Settings, token: str, cleanup: contextlib.ExitStack) -> Launcher:
+def _local_launcher(
+    settings: Settings, token: str, cleanup: contextlib.ExitStack, wheels: Any = None
+) -> Launcher:
     """The local provisioner: nodes as hosts in namespaces where the kernel allows; the
     agent installed by each node's setup from this service's own wheel, as on a cloud;
     the checkpoint store's endpoint and keys passed to nodes as task secrets."""
@@ -259,7 +263,7 @@ def _local_launcher(settings: Settings, token: str, cleanup: contextlib.ExitStac
         fabric.up()
         # Nodes reach the service at its address on the bridge (a real, routable one).
         url = settings.public_url or f"{settings.scheme}://{fabric.gateway}:{settings.port}"
-    package = agent_package_spec(settings.model_copy(update={"public_url": url}))
+    package = agent_package_spec(settings.model_copy(update={"public_url": url}), wheels)
     local = LocalLauncher(
         root,
         url,
@@ -285,9 +289,23 @@ def _local_launcher(settings: Settings, token: str, cleanup: contextlib.ExitStac
         release_single_nodes=settings.local_release_single_nodes,
     )
     if fabric is not None:
-        cleanup.callback(fabric.teardown)
+        cleanup.callback(_teardown_when_idle, fabric, local)
     cleanup.callback(local.close)
+    if local.held_hosts():
+        # Nodes that outlived the previous service on this home: their metadata
+        # endpoint forwards to the simulator's port, so it answers again at once.
+        local.metadata  # noqa: B018 - starts the simulator
     return local
+
+
+def _teardown_when_idle(fabric: Any, local: Any) -> None:
+    """Remove the nodes' bridge when the service stops, unless a node still holds a
+    host: nodes outlive the service, as a cloud's VMs outlive its control plane, and
+    the next service on this home finds them where they were (release_everything
+    gives every host back, for a harness that ends it all)."""
+    if local.held_hosts():
+        return
+    fabric.teardown()
 
 
 def attach_reconciler(
@@ -296,10 +314,15 @@ def attach_reconciler(
     """Give ``app`` a launcher (for chaos and status) and a reconciler, not yet started;
     the launcher's release goes on ``cleanup``."""
     from orchestrator.domain.reconcile import ReconcileConfig
+    from orchestrator.package import WheelCache
     from orchestrator.reconciler.loop import Reconciler
 
     settings: Settings = app.state.settings
-    launcher = make_launcher(settings, app.state.token, cleanup)
+    # One wheel per service: the one whose sha256 the nodes are handed is the one the
+    # package route serves, even if the checkout is edited while the service runs.
+    wheels = getattr(app.state, "agent_wheels", None) or WheelCache(settings.home)
+    app.state.agent_wheels = wheels
+    launcher = make_launcher(settings, app.state.token, cleanup, wheels)
     app.state.launcher = launcher
     rec = Reconciler(
         sessionmaker=app.state.sessionmaker,

@@ -355,6 +355,11 @@ class JobSnapshot:
     poisoned: frozenset[tuple[int, str]] = frozenset()
     """(step, manifest digest) of checkpoints an earlier rollback went past: saved
     from a diverged state, never resumed (until the run saves that step again)."""
+    heard_since: datetime | None = None
+    """Since when the service deciding has been there to hear agents (its reconciler's
+    start). Silence is counted from then at the earliest: heartbeats that went
+    unanswered while the service itself was down (a restart, a crash) say nothing
+    about the nodes, so a restart never turns into every node lost."""
 
     @property
     def num_nodes(self) -> int:
@@ -534,6 +539,14 @@ def _age(now: datetime, then: datetime | None) -> float:
     return float("inf") if then is None else (now - then).total_seconds()
 
 
+def _silence(s: JobSnapshot, last_heard: datetime | None) -> float:
+    """How long a node has been silent as far as this service can tell: since its
+    last heartbeat, or since the service came up when that was later."""
+    if last_heard is not None and s.heard_since is not None:
+        last_heard = max(last_heard, s.heard_since)
+    return _age(s.now, last_heard)
+
+
 def primary_cause(failures: tuple[Failure, ...]) -> Failure:
     """The first cause among failures that arrived together.
 
@@ -578,7 +591,7 @@ def detect(s: JobSnapshot, a: AttemptView, cfg: ReconcileConfig) -> RecordFailur
                 node.node_id,
                 f"node {node.node_id} is gone: its processes vanished without a notice",
             )
-        hb = _age(s.now, node.last_heartbeat_at)
+        hb = _silence(s, node.last_heartbeat_at)
         if hb > s.heartbeat_timeout_s:
             return RecordFailure(
                 EventKind.NODE_LOST,
@@ -592,7 +605,7 @@ def detect(s: JobSnapshot, a: AttemptView, cfg: ReconcileConfig) -> RecordFailur
         # together; name them all, the one silent longest first.
         silent = sorted(
             (
-                ((r.report_age_s or 0.0) + _age(s.now, n.last_heartbeat_at), r.rank, n.node_id)
+                ((r.report_age_s or 0.0) + _silence(s, n.last_heartbeat_at), r.rank, n.node_id)
                 for n in a.nodes
                 if not n.exited
                 for r in n.ranks
@@ -841,7 +854,7 @@ def _signal(
         n.node_id
         for n in a.nodes
         if not (n.exited or n.alive is False)
-        and _age(s.now, n.last_heartbeat_at) > s.heartbeat_timeout_s
+        and _silence(s, n.last_heartbeat_at) > s.heartbeat_timeout_s
     ]
     if _all_stopped(a) or (
         silent and all(n.exited or n.alive is False or n.node_id in silent for n in a.nodes)

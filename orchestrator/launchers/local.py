@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,32 @@ def marked_pids(markers: dict[bytes, str]) -> dict[str, list[int]]:
             if m in env and _alive(int(entry.name)):
                 out[name].append(int(entry.name))
     return out
+
+
+def release_everything(root: Path, fabric: Any = None) -> int:
+    """Give back every host this machine-as-a-cloud holds under ``root``, as deleting an
+    account's VMs does: every process of every node (by its marker) and every boot
+    process, SIGKILLed, then ``fabric`` (its namespaces and bridge). Returns how many
+    processes were killed.
+
+    For a harness that ends a service for good (a test, the demo). A service that
+    stops does not do this: its nodes keep running, as a cloud's VMs outlive the
+    control plane, and the next service on the same home picks them up."""
+    markers: dict[bytes, str] = {}
+    boots: list[int] = []
+    for job in (d for d in root.glob("*") if d.is_dir() and d.name != "fabric"):
+        for node in (d for d in job.iterdir() if d.is_dir()):
+            markers[_marker(job.name, node.name)] = f"{job.name}/{node.name}"
+        for meta in job.glob("*.json"):
+            pid = read_json(meta).get("boot_pid")
+            if isinstance(pid, int) and _alive(pid):
+                boots.append(pid)
+    pids = boots + [p for ps in marked_pids(markers).values() for p in ps]
+    _signal_all(pids, signal.SIGKILL)
+    if fabric is not None:
+        fabric.teardown()
+    (root / "hosts.json").unlink(missing_ok=True)
+    return len(pids)
 
 
 def node_pids(job_id: str, node_id: str) -> list[int]:
@@ -230,8 +257,26 @@ class LocalLauncher:
         with self._lock:
             if self._sim is None:
                 host = fabric.gateway if fabric is not None else "127.0.0.1"
-                self._sim = MetadataSimulator(host=host).start()
+                self._sim = self._start_metadata(host)
             return self._sim
+
+    def _start_metadata(self, host: str) -> MetadataSimulator:
+        """The simulator on the port the previous service on this root used, when it
+        is free: running nodes' metadata fronts forward to it, so they keep their
+        provider's endpoint across a service restart (a cloud's metadata service does
+        not go away when the control plane restarts)."""
+        port_file = self.root / "metadata.port"
+        try:
+            saved = int(port_file.read_text())
+        except (OSError, ValueError):
+            saved = 0
+        try:
+            sim = MetadataSimulator(host=host, port=saved).start()
+        except OSError:  # taken by someone else meanwhile: nodes launched from now on
+            sim = MetadataSimulator(host=host).start()
+        port_file.parent.mkdir(parents=True, exist_ok=True)
+        port_file.write_text(str(urllib.parse.urlsplit(sim.url).port))
+        return sim
 
     def close(self) -> None:
         """Stop the metadata simulator (nodes keep running; ``down`` stops them)."""
@@ -315,6 +360,10 @@ class LocalLauncher:
 
     def _allocation_file(self) -> Path:
         return self.root / "hosts.json"
+
+    def held_hosts(self) -> dict[str, str]:
+        """host -> the launch holding it, for every host not given back yet."""
+        return self._allocated()
 
     def _allocated(self) -> dict[str, str]:
         """host -> the launch holding it: a host is taken from launch until it is given

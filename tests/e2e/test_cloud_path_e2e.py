@@ -186,3 +186,29 @@ def test_a_node_behind_a_slow_link_is_found_by_its_uploads_and_replaced(tmp_path
         assert links and all(d["slow_rank"] in (2, 3) for d in links)  # node 1's ranks
         assert "uploaded its shards" in links[0]["detail"]
         wait_for(http, job, "the end", lambda st, n, v, step: st == "SUCCEEDED", end)
+
+
+@pytest.mark.long
+def test_a_service_restart_costs_no_training_and_nodes_keep_their_metadata(tmp_path):
+    """The service is restarted (SIGTERM, as a process manager does) while its nodes
+    train: they keep training through it, as a cloud's VMs outlive the control plane;
+    the new service picks them up, and a preemption notice sent after the restart still
+    reaches the node at its metadata address and is recovered from with nothing lost."""
+    import signal
+
+    with serving(tmp_path) as (http, svc):
+        job = submit(http, tmp_path, 400)
+        end = time.monotonic() + 500
+        s = wait_for(http, job, "step 10", lambda st, n, v, step: v is not None and step >= 10, end)
+        assert s[:2] == ("RUNNING", 1)
+        http = svc.restart(signal.SIGTERM)
+        after = s[3] + 20  # heartbeats with progress reach the new service
+        s = wait_for(http, job, "progress", lambda st, n, v, step: step >= after, end)
+        assert s[:2] == ("RUNNING", 1), "the restart cost an attempt"
+        assert incidents(http, job) == []
+        api_post(http, f"/v1/jobs/{job}/chaos", {"action": "preempt", "node": 1})
+        wait_for(http, job, "the end", lambda st, n, v, step: st == "SUCCEEDED", end)
+        # The first incident (a loaded machine may add a straggler report later).
+        inc = incidents(http, job)[0]
+        assert inc["failure_class"] == "preemption_notice", inc
+        assert inc["steps_lost"] == 0, inc

@@ -164,6 +164,16 @@ def test_silence_past_the_heartbeat_timeout_is_a_lost_node():
     assert out.kind == "node_lost" and "no heartbeat for 31 s" in out.message
 
 
+def test_silence_while_the_service_itself_was_down_loses_no_node():
+    """Every node's last heartbeat is 40 s old because the service restarted 10 s ago:
+    they were talking to nobody. Silence counts from the restart, so nothing is lost;
+    once the timeout passes with the service up, a node still silent is."""
+    a = attempt(nodes=(node(0, hb=40), node(1, hb=40)))
+    assert rc.decide(snap(attempt=a, heard_since=ago(10))) == []
+    (out,) = rc.decide(snap(attempt=a, heard_since=ago(31)))
+    assert out.kind == "node_lost" and "no heartbeat for 31 s" in out.message
+
+
 def test_a_rank_without_progress_after_validation_is_a_hang():
     stalled = rc.RankView(rank=3, step=50, resumed_step=0, report_age_s=29.5)
     n1 = replace(node(1), ranks=(node(1).ranks[0], stalled))
