@@ -10,11 +10,15 @@ Three outcomes, kept apart because the agent acts differently on each:
 * the service cannot be reached (refused, timeout, 5xx): :class:`Unreachable` — the
   agent keeps training and retries with :func:`backoff_delays`, because a service
   restart must never cost a training step.
+
+A 4xx other than 409 is an answer, not a failure to reach: the service refused that
+body, and sending it again would be refused again (the report outbox drops it).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 import ssl
 import urllib.error
@@ -101,7 +105,7 @@ class ServiceClient:
         self._opener = urllib.request.build_opener(*handlers)
 
     def request(self, method: str, path: str, body: Any = None, *, timeout: float = 10.0) -> Answer:
-        data = None if body is None else json.dumps(body).encode()
+        data = None if body is None else _encode(body)
         req = urllib.request.Request(
             self.prefix + path,
             data=data,
@@ -144,6 +148,26 @@ class ServiceClient:
 
     def report(self, body: dict[str, Any]) -> Answer:
         return self.request("POST", "/reports", body)
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _encode(body: Any) -> bytes:
+    """JSON the service accepts: NaN and Infinity (which json.dumps writes, and the
+    service refuses) go out as null, anything else unknown as its str. Never raises:
+    a body that failed to encode would stop the thread sending it."""
+    try:
+        return json.dumps(body, allow_nan=False, default=str).encode()
+    except ValueError:
+        return json.dumps(_finite(body), allow_nan=False, default=str).encode()
 
 
 def _parse(raw: bytes) -> Any:

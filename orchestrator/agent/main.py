@@ -580,14 +580,49 @@ def write_control_file(path: Path, updates: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+#: Statuses that say "not now" rather than "never": retried like a 5xx.
+RETRY_STATUSES = frozenset({408, 425, 429})
+#: Refused reports the outbox remembers (the newest; older ones are in the log).
+MAX_REFUSED = 64
+
+
+def _refusal_reason(body: Any) -> str:
+    """The service's reason, in one short line (a 422's list of errors included)."""
+    detail = body.get("detail", body) if isinstance(body, dict) else body
+    if isinstance(detail, list):
+        parts = []
+        for e in detail[:3]:
+            if isinstance(e, dict):
+                loc = ".".join(str(p) for p in e.get("loc") or [] if p != "body")
+                parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
+            else:
+                parts.append(str(e))
+        detail = "; ".join(parts)
+    return str(detail)[:500]
+
+
+@dataclass(frozen=True)
+class RefusedReport:
+    """A report the service answered with a 4xx: dropped, never sent again."""
+
+    kind: str
+    key: str
+    status: int
+    why: str
+
+
 @dataclass
 class _Outbox:
-    """Reports, sent in order by one thread, each retried until the service takes it."""
+    """Reports, sent in order by one thread. Each is retried while the service cannot
+    take it (unreachable, 5xx, 408/425/429); one it refuses (any other 4xx: the same
+    body would be refused again) is logged with the reason, kept in ``refused`` and
+    dropped, so it never blocks the reports behind it."""
 
     q: queue.Queue[dict[str, Any] | None] = field(default_factory=queue.Queue)
     pending: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     drained: threading.Condition = field(init=False)
+    refused: list[RefusedReport] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.drained = threading.Condition(self.lock)
@@ -601,6 +636,20 @@ class _Outbox:
         with self.lock:
             self.pending -= 1
             self.drained.notify_all()
+
+    def record_refusal(self, doc: dict[str, Any], status: int, body: Any) -> RefusedReport:
+        why = _refusal_reason(body)
+        r = RefusedReport(str(doc.get("kind")), str(doc.get("key")), status, why)
+        with self.lock:
+            self.refused = [*self.refused[-(MAX_REFUSED - 1) :], r]
+        log.error(
+            "report %s (key %s) refused by the service: HTTP %s: %s; dropped, not retried",
+            r.kind,
+            r.key,
+            status,
+            why,
+        )
+        return r
 
     def wait_drained(self, timeout: float) -> bool:
         end = time.monotonic() + timeout
@@ -734,12 +783,14 @@ class Agent:
                         self.on_superseded(str(e))
                         break
                     delays = self._retry_delays()
+                    if ans.status in RETRY_STATUSES:
+                        log.info("report %s: HTTP %s; retrying", doc["kind"], ans.status)
+                        time.sleep(next(delays))
+                        continue
                     if ans.status >= 300:
-                        # A report the service refuses (422, 404) is logged and dropped:
-                        # retrying the same body would block every report behind it.
-                        log.error(
-                            "report %s refused: HTTP %s %s", doc["kind"], ans.status, ans.body
-                        )
+                        # Refused (422, 404, 413): the same body would be refused again,
+                        # and retrying it would block every report behind it.
+                        self.outbox.record_refusal(doc, ans.status, ans.body)
                     break
             finally:
                 self.outbox.done_one()
