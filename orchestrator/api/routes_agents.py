@@ -622,8 +622,11 @@ def report(
                 session, job_id, attempt, node_id, body.model_dump(mode="json")
             )
             out = ReportOut(event_id=event.id, created=created)
-    except (NotFound, agents.NotCurrent, ValueError) as e:
+    except (NotFound, agents.NotCurrent) as e:
         raise _translate(e) from None
+    except ValueError as e:  # the store's own checks: a 422 shaped as the schema says
+        error = {"type": "value_error", "loc": ["body", body.kind], "msg": str(e)[:2000]}
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, [error]) from None
     return out
 
 
