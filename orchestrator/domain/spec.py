@@ -362,12 +362,25 @@ def validate_job_spec(doc: Any) -> JobSpec:
 class _NoAliasLoader(yaml.SafeLoader):
     """SafeLoader that refuses aliases: a few lines of anchors can expand to gigabytes."""
 
+    _depth = 0
+
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()  # type: ignore[no-untyped-call]
             line = event.start_mark.line + 1
             raise SpecError([("", f"line {line}: YAML aliases (*{event.anchor}) are not allowed")])
-        return super().compose_node(parent, index)
+        # Composing recurses once per level: 1,000 levels ("[[[[...") cost seconds to
+        # reach Python's recursion limit, so nesting is counted and cut off first.
+        self._depth += 1
+        try:
+            if self._depth > MAX_JSON_DEPTH:
+                line = self.peek_event().start_mark.line + 1  # type: ignore[no-untyped-call]
+                raise SpecError(
+                    [("", f"line {line}: YAML nested deeper than {MAX_JSON_DEPTH} levels")]
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 def load_yaml_document(text: str | bytes, *, what: str = "job spec") -> Any:
