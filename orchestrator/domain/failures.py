@@ -26,6 +26,8 @@ The caller reads logs and passes text in.
 
 from __future__ import annotations
 
+import itertools
+import math
 import re
 import signal as _signal
 from dataclasses import dataclass
@@ -33,6 +35,7 @@ from enum import StrEnum
 from typing import Any
 
 from orchestrator.contract import ExitCode
+from orchestrator.domain import failure_model as _fm
 
 
 class FailureClass(StrEnum):
@@ -805,8 +808,8 @@ def _jump(
     return None
 
 
-def _loss_spike(lines: list[str]) -> str | None:
-    """The line where a logged loss series jumps far above its own trend, or None."""
+def _loss_series(lines: list[str]) -> dict[str, list[tuple[float, str]]]:
+    """Each logged loss series (by key) as (value, line) points, in order."""
     series: dict[str, list[tuple[float, str]]] = {}
     for line in lines:
         found = False
@@ -816,7 +819,12 @@ def _loss_spike(lines: list[str]) -> str | None:
         b = None if found else _BARE_NUMBER.match(line)
         if b:
             series.setdefault("", []).append((float(b.group(1)), line))
-    for points in series.values():
+    return series
+
+
+def _loss_spike(lines: list[str]) -> str | None:
+    """The line where a logged loss series jumps far above its own trend, or None."""
+    for points in _loss_series(lines).values():
         jump = _jump(points, _SPIKE_RELATIVE, 2, _SPIKE_SINGLE_RELATIVE)
         if jump is not None:
             return jump
@@ -835,13 +843,17 @@ _SLOWDOWN_RELATIVE = 1.0
 _SLOWDOWN_PERSIST = 3
 
 
-def _step_time_slowdown(lines: list[str]) -> str | None:
+def _step_times(lines: list[str]) -> list[tuple[float, str]]:
     points = []
     for line in lines:
         m = _STEP_TIME.search(line)
         if m:
             points.append((float(m.group(1) or m.group(2)), line))
-    return _jump(points, _SLOWDOWN_RELATIVE, _SLOWDOWN_PERSIST, None)
+    return points
+
+
+def _step_time_slowdown(lines: list[str]) -> str | None:
+    return _jump(_step_times(lines), _SLOWDOWN_RELATIVE, _SLOWDOWN_PERSIST, None)
 
 
 # "Rank 3 ... time cost 23.3", "GPU 0 ... 6698 GFlops", "(ADAPTER#0) Ending with 6698
@@ -860,16 +872,22 @@ _SLOW_FACTOR = 2.0
 _MIN_ENTITIES = 3
 
 
+def _per_entity(lines: list[str], pattern: re.Pattern[str]) -> dict[str, tuple[float, str]]:
+    """The last value ``pattern`` reads for each rank/GPU/node named in the lines."""
+    by_entity: dict[str, tuple[float, str]] = {}
+    for line in lines:
+        e, v = _ENTITY.search(line), pattern.search(line)
+        if e and v:
+            value = float(next(g for g in v.groups() if g is not None))
+            by_entity[f"{e.group(1).lower()}{e.group(2)}"] = (value, line)
+    return by_entity
+
+
 def _slow_peer(lines: list[str]) -> str | None:
     """The line of an entity far slower than its peers (>= 3 of them report), or of a
     step time that rose to a multiple of its trend and stayed, or None."""
     for pattern, slow_is_high in ((_DURATION, True), (_THROUGHPUT, False)):
-        by_entity: dict[str, tuple[float, str]] = {}
-        for line in lines:
-            e, v = _ENTITY.search(line), pattern.search(line)
-            if e and v:
-                value = float(next(g for g in v.groups() if g is not None))
-                by_entity[f"{e.group(1).lower()}{e.group(2)}"] = (value, line)
+        by_entity = _per_entity(lines, pattern)
         if len(by_entity) < _MIN_ENTITIES:
             continue
         for key, (value, line) in by_entity.items():
@@ -959,17 +977,15 @@ _COPY_TOLERANCE = 1e-3
 _MIN_COPY_NUMBERS = 4
 
 
-def _copies_disagree(lines: list[str]) -> str | None:
-    """The line of a tensor whose other copy, printed beside it, holds different
-    numbers, or None. Two shapes of report, both with no error raised:
+_Replicas = dict[str, list[tuple[str, list[float], str]]]
+_Devices = dict[tuple[str, str], list[tuple[bool, list[float], str]]]
 
-    - replicas: the same parameter or gradient printed per rank ("TP rank 1:
-      tensor([...])"), which data/tensor parallelism keeps identical on every rank;
-    - devices: the same expression printed from the GPU and from the CPU
-      ("n(x) = tensor([[1.]], device='cuda:0')" then "n(x) = tensor([[0.2164]])").
-    """
-    replicas: dict[str, list[tuple[str, list[float], str]]] = {}
-    devices: dict[tuple[str, str], list[tuple[bool, list[float], str]]] = {}
+
+def _copies(lines: list[str]) -> tuple[_Replicas, _Devices]:
+    """Printed tensors that are copies of each other: (by layout, the per-rank copies
+    of replicated state; by (expression, layout), the GPU and CPU copies)."""
+    replicas: _Replicas = {}
+    devices: _Devices = {}
     for i, line in enumerate(lines):
         for m in _ANY_TENSOR.finditer(line):
             body = m.group(1)
@@ -988,6 +1004,26 @@ def _copies_disagree(lines: list[str]) -> str | None:
                 dev = _DEVICE.match(line[m.end() :])
                 on_gpu = dev is not None and dev.group(1) != "cpu"
                 devices.setdefault((label.group(1), layout), []).append((on_gpu, nums, line))
+    return replicas, devices
+
+
+def _compared_copies(replicas: _Replicas, devices: _Devices) -> bool:
+    """Whether any two copies that must agree were printed (two ranks, GPU and CPU)."""
+    return any(len({r for r, _, _ in c}) >= 2 for c in replicas.values()) or any(
+        {g for g, _, _ in printed} == {True, False} for printed in devices.values()
+    )
+
+
+def _copies_disagree(lines: list[str]) -> str | None:
+    """The line of a tensor whose other copy, printed beside it, holds different
+    numbers, or None. Two shapes of report, both with no error raised:
+
+    - replicas: the same parameter or gradient printed per rank ("TP rank 1:
+      tensor([...])"), which data/tensor parallelism keeps identical on every rank;
+    - devices: the same expression printed from the GPU and from the CPU
+      ("n(x) = tensor([[1.]], device='cuda:0')" then "n(x) = tensor([[0.2164]])").
+    """
+    replicas, devices = _copies(lines)
 
     def differ(a: list[float], b: list[float]) -> bool:
         scale = max(max(map(abs, a + b), default=0.0), 1e-12)
@@ -1007,6 +1043,26 @@ def _copies_disagree(lines: list[str]) -> str | None:
             if any(differ(nums, other) for other in cpu):
                 return line
     return None
+
+
+def healthy_numbers(lines: list[str]) -> frozenset[FailureClass]:
+    """The numeric classes whose detector had enough numbers in ``lines`` to judge:
+    a loss series of >= 2 points, >= 3 ranks/GPUs reporting a time or throughput (or
+    enough step times for a slowdown), two copies that must agree. Called where the
+    detectors did not fire, so their numbers were judged healthy, and the learned
+    fallback, which reads words and not numbers, may not overrule them: a healthy loss
+    log reads like a spike's to a bag of words ("step <n> loss <n>")."""
+    out: set[FailureClass] = set()
+    if any(len(points) >= _MIN_PRIOR for points in _loss_series(lines).values()):
+        out.add(_F.LOSS_SPIKE)
+    if (
+        any(len(_per_entity(lines, p)) >= _MIN_ENTITIES for p in (_DURATION, _THROUGHPUT))
+        or len(_step_times(lines)) > _SLOWDOWN_PERSIST
+    ):
+        out.add(_F.SLOW_PEER)
+    if _compared_copies(*_copies(lines)):
+        out.add(_F.SILENT_CORRUPTION)
+    return frozenset(out)
 
 
 _FRAME = re.compile(r'^\s*File "[^"]+", line \d+, in \S+')
@@ -1092,12 +1148,24 @@ def _scan(lines: list[str]) -> Classification | None:
     return Classification(cls, RETRYABLE[cls], conf, tuple(_clip(e) for e in ev[-_MAX_EVIDENCE:]))
 
 
+def effective_signal(exit_code: int | None, signal: int | str | None) -> int | None:
+    """The signal that ended the rank: given, or read from a 128+N / -N exit code."""
+    sig = _parse_signal(signal)
+    if exit_code is not None and exit_code > 128 and sig is None and exit_code - 128 < 65:
+        sig = exit_code - 128  # shells report death by signal N as 128+N
+    if exit_code is not None and exit_code < 0 and sig is None:
+        sig = -exit_code  # torchrun/multiprocessing report -N
+    return sig
+
+
 def classify_failure(
     exit_code: int | None,
     signal: int | str | None,
     log_tail: str,
     notice_kind: str | None = None,
     agent_report: dict[str, Any] | None = None,
+    *,
+    model_fallback: bool = True,
 ) -> Classification:
     """Classify one failure from everything known about it. Pure.
 
@@ -1106,13 +1174,13 @@ def classify_failure(
     ``preempt``...) when one arrived. ``agent_report`` may carry ``event`` (one of
     ``heartbeat_missed``, ``health_check_failed``, ``straggler``, ``no_capacity``...)
     and ``message`` (free text scanned like the log).
-    """
-    sig = _parse_signal(signal)
-    if exit_code is not None and exit_code > 128 and sig is None and exit_code - 128 < 65:
-        sig = exit_code - 128  # shells report death by signal N as 128+N
-    if exit_code is not None and exit_code < 0 and sig is None:
-        sig = -exit_code  # torchrun/multiprocessing report -N
 
+    Where the rules find no strong evidence, the learned fallback
+    (:data:`orchestrator.domain.failure_model`) may name the class when it is sure
+    enough; ``model_fallback=False`` gives the rules alone (``bench/classify.py``
+    prints both).
+    """
+    sig = effective_signal(exit_code, signal)
     if notice_kind:
         return Classification(
             _F.PREEMPTION_NOTICE, True, 0.98, (f"preemption notice: {notice_kind}",)
@@ -1137,6 +1205,16 @@ def classify_failure(
         if scanned is None or scanned.confidence < 0.9 or scanned.failure_class is cls:
             ev = (f"agent: {event}",) + (scanned.evidence if scanned else ())
             return Classification(cls, RETRYABLE[cls], 0.9, ev[:_MAX_EVIDENCE])
+    rules = _from_scan_or_signal(scanned, sig, lines)
+    if not model_fallback or rules.confidence >= _fm.RULES_BELOW or not lines:
+        return rules
+    guess = model_guess(failure_features(lines, exit_code, sig), rules, healthy_numbers(lines))
+    return guess if guess is not None else rules
+
+
+def _from_scan_or_signal(
+    scanned: Classification | None, sig: int | None, lines: list[str]
+) -> Classification:
     if scanned is not None:
         return scanned
     if sig == 9:
@@ -1148,7 +1226,117 @@ def classify_failure(
             _F.EXTERNAL_TERMINATION, True, 0.4, (f"terminated by {name} (signal {sig})",)
         )
     ev = (_clip(lines[-1]),) if lines else ()
-    return Classification(_F.UNKNOWN, RETRYABLE[_F.UNKNOWN], 0.1, ev)
+    return Classification(_F.UNKNOWN, RETRYABLE[_F.UNKNOWN], _UNKNOWN_CONFIDENCE, ev)
+
+
+# --- the learned fallback ---------------------------------------------------------------
+# Where no rule speaks (a verification printout, a metric table, a wording no rule was
+# written for), a small logistic regression over the tail's normalised words may name
+# the class. It is trained by scripts/train_classifier.py on the development part of
+# the corpus only and written out as orchestrator/domain/failure_model.py (weights as
+# literals: no I/O here). It is a fallback, never a rule: it runs only below
+# ``RULES_BELOW`` (the rules said ``unknown``), speaks only at posterior
+# >= ``MIN_POSTERIOR`` (both chosen by grouped cross-validation on the development
+# part), and never says ``user_code_error`` (the one class that is not retried must
+# rest on a rule an operator can read) nor ``unknown`` (that is the default anyway).
+
+_UNKNOWN_CONFIDENCE = 0.1
+#: A model decision is never surer than this: below every named rule (>= 0.6) and the
+#: numeric detectors (0.7), so an operator reads it as a guess with reasons.
+MODEL_MAX_CONFIDENCE = 0.5
+_MODEL_NEVER = frozenset({_F.USER_CODE_ERROR, _F.UNKNOWN})
+_MODEL_EVIDENCE_TOKENS = 5
+#: A line is read this far: a tensor repr can be megabytes and says nothing more.
+_FEATURE_LINE_CHARS = 1000
+_FEATURE_WORD = re.compile(r"<(?:path|hex|n)>|[A-Za-z][A-Za-z0-9_]*")
+_CAMEL_PART = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
+_DIGITS = re.compile(r"\d+")
+
+
+def _words(line: str) -> tuple[list[str], list[str]]:
+    """(the line's normalised words in order, extra sub-words of CamelCase/snake_case)."""
+    text = line[:_FEATURE_LINE_CHARS]
+    for pattern, repl in _NORMALISE[:-1]:  # paths, hex ids, sizes, numbers
+        text = pattern.sub(repl, text)
+    words: list[str] = []
+    parts: list[str] = []
+    for raw in _FEATURE_WORD.findall(text):
+        words.append(_DIGITS.sub("#", raw.lower()))
+        if raw[0] != "<":
+            sub = [_DIGITS.sub("#", w.lower()) for w in _CAMEL_PART.findall(raw)]
+            if len(sub) > 1:
+                parts += sub
+    return words, parts
+
+
+def failure_features(lines: list[str], exit_code: int | None, sig: int | None) -> set[str]:
+    """What the learned fallback reads: normalised words (``w:``), word pairs within a
+    line (``b:``), CamelCase/snake_case parts (``p:``), and the exit code and signal.
+    Numbers, paths, hex ids and sizes are normalised (``<n>``, ``<path>``, ``<hex>``),
+    so a project's step counts and file names do not become its vocabulary."""
+    out: set[str] = set()
+    for line in lines:
+        words, parts = _words(line)
+        out.update("w:" + w for w in words)
+        out.update("b:" + a + " " + b for a, b in itertools.pairwise(words))
+        out.update("p:" + w for w in parts)
+    if exit_code is not None:
+        out.add(f"exit:{exit_code}")
+    if sig is not None:
+        out.add(f"sig:{sig}")
+    return out
+
+
+def model_posterior(
+    features: set[str],
+    classes: tuple[str, ...],
+    bias: tuple[float, ...],
+    weights: dict[str, tuple[tuple[int, float], ...]],
+) -> tuple[list[float], list[str]]:
+    """(posterior per class, the features the model knows) for one excerpt.
+
+    Features are binary and the vector is scaled to unit length over the known
+    features, as in training (scripts/train_classifier.py calls this on its folds,
+    so cross-validation measures exactly this code)."""
+    known = sorted(f for f in features if f in weights)
+    scores = list(bias)
+    if known:
+        scale = 1.0 / math.sqrt(len(known))
+        for f in known:
+            for c, w in weights[f]:
+                scores[c] += w * scale
+    top = max(scores)
+    exps = [math.exp(s - top) for s in scores]
+    total = sum(exps)
+    return [e / total for e in exps], known
+
+
+def model_guess(
+    features: set[str],
+    rules: Classification,
+    healthy: frozenset[FailureClass] = frozenset(),
+) -> Classification | None:
+    """The learned fallback's class for one excerpt whose rules gave ``rules`` (weak
+    evidence), or ``None`` when it is not sure enough (posterior below
+    ``MIN_POSTERIOR``), or its best class is one it may not give (``user_code_error``,
+    ``unknown``, or a numeric class in ``healthy``: see :func:`healthy_numbers`). The
+    evidence names the model, its posterior and its words, then the rules' own."""
+    probs, known = model_posterior(features, _fm.CLASSES, _fm.BIAS, _fm.WEIGHTS)
+    best = max(range(len(probs)), key=lambda i: (probs[i], -i))
+    cls = FailureClass(_fm.CLASSES[best])
+    p = probs[best]
+    if cls in _MODEL_NEVER or cls in healthy or p < _fm.MIN_POSTERIOR:
+        return None
+    # The words that pushed hardest towards this class, so an operator sees why.
+    pull = sorted(
+        (f for f in known if any(c == best and w > 0 for c, w in _fm.WEIGHTS[f])),
+        key=lambda f: (-dict(_fm.WEIGHTS[f])[best], f),
+    )[:_MODEL_EVIDENCE_TOKENS]
+    words = ", ".join(repr(f.split(":", 1)[1]) for f in pull) or "none it knows"
+    said = f"rules alone: {rules.failure_class} {rules.confidence:.2f}"
+    ev = (f"model: p={p:.2f} {cls} from words {words} ({said})", *rules.evidence)
+    conf = round(MODEL_MAX_CONFIDENCE * p, 3)
+    return Classification(cls, RETRYABLE[cls], conf, ev[:_MAX_EVIDENCE])
 
 
 # --- exception signatures --------------------------------------------------------------
