@@ -17,7 +17,12 @@ The classifier weighs evidence in this order, strongest first:
    hardware, OOM) are scored above their collateral symptoms (NCCL watchdog timeouts on
    the *other* ranks, torchrun's teardown), so a hung collective after an OOM is an OOM.
 5. the signal alone (a bare SIGKILL is most often the kernel OOM killer; a SIGTERM
-   without a notice is a stop from outside).
+   without a notice is a stop from outside);
+6. where all of that ends at ``unknown``, a learned fallback (a logistic regression
+   over the tail's normalised words, trained on the corpus's development part by
+   scripts/train_classifier.py, weights in :mod:`orchestrator.domain.failure_model`)
+   may name the class when it is sure; it never says ``user_code_error``, never
+   overrules numbers a detector judged healthy, and its evidence names it.
 
 Nothing recognisable is ``unknown`` (retried within limits), never ``user_code_error``.
 Measured on real excerpts by ``bench/classify.py`` (docs/failures.md). Pure: no I/O.

@@ -165,10 +165,16 @@ def test_sources_md_lists_the_corpus_as_it_is() -> None:
 
 # --- the classifier on the corpus ---
 
-#: Floors against regressions, below the issue's target (>= 95% held-out, no class
-#: under 85%), which the rules do not meet yet: BENCHMARKS.md has the measured figures.
-HELD_OUT_FLOOR = 0.88
-DEV_FLOOR = 0.97
+#: Floors against regressions at the measured figures (BENCHMARKS.md), below the
+#: issue's target (>= 95% held-out, no class under 85%), which is not met yet. The
+#: shipped classifier (rules + learned fallback) measured 90.3% held out (131/145) and
+#: 98.8% on dev (where the fallback was trained, so not a measurement); the rules
+#: alone 89.0% and 98.3%, floored separately so the fallback cannot hide a rule that
+#: got worse.
+HELD_OUT_FLOOR = 0.90
+DEV_FLOOR = 0.98
+RULES_HELD_OUT_FLOOR = 0.88
+RULES_DEV_FLOOR = 0.98
 
 
 def test_classifier_holds_its_measured_accuracy_on_both_parts() -> None:
@@ -176,6 +182,13 @@ def test_classifier_holds_its_measured_accuracy_on_both_parts() -> None:
     d, h = bench.score(dev), bench.score(held)
     assert d.accuracy >= DEV_FLOOR, f"dev {d.accuracy:.1%}"
     assert h.accuracy >= HELD_OUT_FLOOR, f"held out {h.accuracy:.1%}"
+
+
+def test_the_rules_alone_hold_their_measured_accuracy_on_both_parts() -> None:
+    dev, held = bench.split(CORPUS)
+    d, h = bench.score(dev, bench.predict_rules), bench.score(held, bench.predict_rules)
+    assert d.accuracy >= RULES_DEV_FLOOR, f"dev {d.accuracy:.1%}"
+    assert h.accuracy >= RULES_HELD_OUT_FLOOR, f"held out {h.accuracy:.1%}"
 
 
 #: The user's own AssertionError comparing two tensors, where the thread found that
