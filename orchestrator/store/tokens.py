@@ -60,7 +60,7 @@ def check_name(name: str) -> str:
             "a token name is 1-64 letters, digits, '.', '_' or '-', starting with a "
             f"letter or digit, got {name!r}"
         )
-    if name.isdigit():
+    if name.isascii() and name.isdigit():
         raise ValueError(f"a token name cannot be all digits (it would read as an id): {name!r}")
     return name
 
@@ -95,8 +95,10 @@ def list_tokens(session: Session, *, include_revoked: bool = False) -> list[ApiT
 
 def find_token(session: Session, ref: str) -> ApiToken:
     """The live token named ``ref``, or with id ``ref`` (digits; revoked or not)."""
-    if ref.isdigit():
-        row = session.get(ApiToken, int(ref))
+    if ref.isascii() and ref.isdigit():
+        # An id past any row's (and past BIGINT: PostgreSQL would refuse the query) is
+        # simply not found.
+        row = session.get(ApiToken, int(ref)) if len(ref) <= 18 else None
     else:
         q = select(ApiToken).where(ApiToken.name == ref, ApiToken.revoked_at.is_(None))
         row = session.scalars(q).first()

@@ -102,3 +102,11 @@ def test_logout_and_revoke_all_end_sessions(sm):
 def test_roles_are_ordered():
     assert Role.admin.allows(Role.operator) and Role.operator.allows(Role.viewer)
     assert not Role.viewer.allows(Role.operator) and not Role.operator.allows(Role.admin)
+
+
+@pytest.mark.parametrize(
+    "ref", ["9" * 30, "²", "0", "nobody"], ids=["huge", "unicode-digit", "0", "name"]
+)
+def test_a_ref_that_names_no_token_is_not_found_on_either_backend(sm, ref):
+    with sm() as s, pytest.raises(NotFound):
+        tokens.find_token(s, ref)
