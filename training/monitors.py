@@ -188,6 +188,33 @@ def detect_straggler(
     return slowest, ratio, finding
 
 
+class StragglerRun:
+    """Reports a straggler only once the same rank was it ``persist`` shares in a row.
+
+    A straggler stays slow; noise (a loaded host, a GC pause, a page fault) makes a
+    different rank the slowest from one share to the next, so one finding alone says
+    little (measured here: steps of 10-20 ms on a shared 2-core machine put some rank
+    1.5x over the median at most shares, and three reports of any ranks opened false
+    incidents)."""
+
+    def __init__(self, persist: int = 3) -> None:
+        if persist < 1:
+            raise ValueError(f"persist must be >= 1, got {persist}")
+        self.persist = persist
+        self.rank = -1
+        self.count = 0
+
+    def observe(self, slowest: int, finding: Finding | None) -> Finding | None:
+        """The finding, once ``slowest`` was over the threshold ``persist`` times in a
+        row (and at every share after that while it stays so); else None."""
+        if finding is None:
+            self.rank, self.count = -1, 0
+            return None
+        self.count = self.count + 1 if slowest == self.rank else 1
+        self.rank = slowest
+        return finding if self.count >= self.persist else None
+
+
 def detect_slow_link(
     step: int,
     uploads: list[tuple[int, int, float]],

@@ -73,6 +73,7 @@ from training.monitors import (
     Spike,
     SpikeDetector,
     SpikeRule,
+    StragglerRun,
     detect_reference_divergence,
     detect_slow_link,
     detect_straggler,
@@ -177,6 +178,9 @@ class RunConfig:
     """Steps between sharing per-rank compute times; 0 = never."""
     straggler_ratio: float = 1.5
     """Slowest rank over the median at or above which a straggler is reported."""
+    straggler_persist: int = 3
+    """Consecutive shares in which the same rank is over ``straggler_ratio`` before it
+    is reported (monitors.StragglerRun)."""
     spike: SpikeRule = field(default_factory=SpikeRule)
     """When the loss is a spike: window, robust z, minimum jump, persistence."""
     job_id: str = ""
@@ -202,6 +206,8 @@ class RunConfig:
             raise ValueError(f"global_batch must be positive, got {self.global_batch}")
         if self.straggler_ratio <= 1.0:
             raise ValueError(f"straggler_ratio must be > 1, got {self.straggler_ratio}")
+        if self.straggler_persist < 1:
+            raise ValueError(f"straggler_persist must be >= 1, got {self.straggler_persist}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> RunConfig:
@@ -311,6 +317,7 @@ class Run:
         self.checkpoint_every = config.checkpoint_every
         self.resumed_digest: str | None = None
         self.last_straggler: tuple[int, float] | None = None
+        self._stragglers = StragglerRun(config.straggler_persist)
         self._uploads_seen = 0
         """(slowest rank, its compute time over the median) at the last share."""
         self.findings: list[Finding] = []
@@ -877,6 +884,7 @@ class Run:
             self.step, per_rank, ratio_threshold=self.config.straggler_ratio
         )
         self.last_straggler = (slowest, ratio)
+        finding = self._stragglers.observe(slowest, finding)
         if finding is not None:
             self.findings.append(finding)
             if self.rank == 0:  # one report per finding, not one per rank

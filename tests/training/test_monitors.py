@@ -11,6 +11,7 @@ import pytest
 from training.monitors import (
     SpikeDetector,
     SpikeRule,
+    StragglerRun,
     check_reference,
     detect_slow_link,
     detect_straggler,
@@ -105,6 +106,24 @@ def test_slowest_rank_and_its_ratio_to_the_median():
     assert slowest == 3 and round(ratio, 2) == 2.29
     assert f is not None and "rank 3" in f.evidence
     assert detect_straggler(5, [1.0, 1.05, 0.98, 1.02])[2] is None
+
+
+def test_a_straggler_is_reported_only_when_the_same_rank_stays_slow():
+    run = StragglerRun(persist=3)
+
+    def share(*times: float):
+        slowest, _ratio, f = detect_straggler(0, list(times))
+        return run.observe(slowest, f)
+
+    # Noise: some rank is 1.5x over at every share, a different one each time.
+    assert [share(2.0, 1, 1, 1), share(1, 2.0, 1, 1), share(1, 1, 2.0, 1)] == [None] * 3
+    # A real straggler: rank 3 three shares running, then every share it stays slow.
+    assert [share(1, 1, 1, 3.0), share(1, 1, 1, 3.0)] == [None, None]
+    assert share(1, 1, 1, 3.0) is not None and share(1, 1, 1, 3.0) is not None
+    # One clean share starts the count again.
+    assert share(1, 1, 1, 1) is None and share(1, 1, 1, 3.0) is None
+    with pytest.raises(ValueError, match="persist"):
+        StragglerRun(persist=0)
 
 
 def test_reference_drift_is_caught():

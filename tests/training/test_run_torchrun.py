@@ -32,7 +32,7 @@ def test_datagrams_control_file_straggler_and_silent_corruption(tmp_path, monkey
         "--max-steps", "30",
         "--checkpoint-uri", f"file://{root}",
         "--checkpoint-every", "50",
-        "--straggler-every", "2",
+        "--straggler-every", "1",  # 9 shares: the slow rank is reported from its 3rd
         "--slow-rank", "1",
         "--slow-seconds", "0.05",
         "--inject-corruption-at", "7",
