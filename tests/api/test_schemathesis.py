@@ -24,7 +24,7 @@ from orchestrator.domain.spec import validate_job_spec
 from orchestrator.store import repo
 from orchestrator.store.models import Attempt
 
-EXAMPLES = 4
+EXAMPLES = 3
 LONG_EXAMPLES = 400
 
 #: Checks that are not meaningful here, and why.
@@ -37,6 +37,11 @@ SKIPPED = (
     # YAML), so "schema-valid" data is often rightly refused.
     oa_checks.positive_data_acceptance,
 )
+
+#: Routes not fuzzed: the agent package builds a wheel on its first request (seconds
+#: of CPU, past the client's timeout under load) and takes no input but a file name,
+#: compared, never joined (tests/api/test_agent_package.py).
+UNFUZZED = ("/v1/agent/",)
 
 #: Failures known and owned elsewhere: (operation, schemathesis code) -> why. They are
 #: printed, not failed on; fix the route, then drop the entry.
@@ -94,6 +99,8 @@ def fuzz(app: Any, examples: int) -> tuple[int, list[str]]:
     failures: list[str] = []
     for result in schema.get_all_operations():
         operation = result.ok()
+        if operation.path.startswith(UNFUZZED):
+            continue
 
         @settings(
             max_examples=examples,
