@@ -26,7 +26,9 @@ folds by a hash of the project, so no project is on both sides of a fold):
    it), by the accuracy of rules + fallback on the out-of-fold items, subject to at
    most ``MAX_UNKNOWN_HURT`` of the truly ``unknown`` development excerpts being given
    a class. Ties go to the narrower fallback (the lower ``RULES_BELOW``), then to the
-   middle of the tied posterior thresholds (not an edge of the plateau).
+   middle of the tied posterior thresholds (not an edge of the plateau);
+3. whether ``classify_failure`` uses the fallback by default (``ON_BY_DEFAULT``): only
+   if rules + fallback beat the rules alone there.
 
 The final model is refitted on the whole development part and written, weights as
 literals, to ``orchestrator/domain/failure_model.py`` (a test checks that the committed
@@ -54,11 +56,11 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 from orchestrator.domain.failures import (  # noqa: E402
+    MODEL_NEVER,
     FailureClass,
     classify_failure,
     effective_signal,
     failure_features,
-    healthy_numbers,
     model_posterior,
 )
 
@@ -86,6 +88,7 @@ ROUND = 2
 MIN_ABS_WEIGHT = 0.15
 
 CLASSES: tuple[str, ...] = tuple(str(c) for c in FailureClass)
+_NEVER = frozenset(str(c) for c in MODEL_NEVER)
 
 
 def _load_bench() -> ModuleType:
@@ -104,8 +107,6 @@ class Item:
     features: frozenset[str]
     rules_class: str
     rules_confidence: float
-    healthy: frozenset[str]
-    """Numeric classes the model may not give here (their detector judged the numbers)."""
 
 
 def dev_items() -> list[Item]:
@@ -124,7 +125,6 @@ def dev_items() -> list[Item]:
                 frozenset(failure_features(lines, e.exit_code, sig)),
                 str(rules.failure_class),
                 rules.confidence,
-                frozenset(str(c) for c in healthy_numbers(lines)),
             )
         )
     return items
@@ -139,12 +139,14 @@ def fold_of(project: str) -> int:
 class Model:
     bias: tuple[float, ...]
     weights: dict[str, tuple[tuple[int, float], ...]]
+    min_features: int
 
     def posterior(self, features: frozenset[str]) -> list[float]:
-        return model_posterior(set(features), CLASSES, self.bias, self.weights)[0]
+        feats = set(features)
+        return model_posterior(feats, CLASSES, self.bias, self.weights, self.min_features)[0]
 
 
-def fit(items: Sequence[Item], l2: float) -> Model:
+def fit(items: Sequence[Item], l2: float, min_features: int = 1) -> Model:
     """Multinomial logistic regression, deterministic: zeros, fixed steps, fixed order."""
     per_feature: dict[str, set[str]] = defaultdict(set)
     for it in items:
@@ -163,7 +165,7 @@ def fit(items: Sequence[Item], l2: float) -> Model:
         cols = sorted(index[f] for f in it.features if f in index)
         rows_l += [r] * len(cols)
         cols_l += cols
-        vals_l += [1.0 / math.sqrt(len(cols))] * len(cols)
+        vals_l += [1.0 / math.sqrt(max(len(cols), min_features))] * len(cols)
     rows, cols_a, vals = np.array(rows_l), np.array(cols_l), np.array(vals_l)
     # One bincount per product over (row, class) / (column, class) cells, flattened.
     classes = np.arange(k)
@@ -204,7 +206,7 @@ def fit(items: Sequence[Item], l2: float) -> Model:
         weights[f] = tuple(
             (c, round(float(val), ROUND)) for c, val in enumerate(row) if abs(val) >= MIN_ABS_WEIGHT
         )
-    return Model(tuple(round(float(val), ROUND) for val in b), weights)
+    return Model(tuple(round(float(val), ROUND) for val in b), weights, min_features)
 
 
 @dataclass(frozen=True)
@@ -228,7 +230,7 @@ def _hybrid(it: Item, post: list[float], rules_below: float, min_posterior: floa
         return it.rules_class
     best = max(range(len(post)), key=lambda i: (post[i], -i))
     cls = CLASSES[best]
-    if cls in ("user_code_error", "unknown") or cls in it.healthy or post[best] < min_posterior:
+    if cls in _NEVER or post[best] < min_posterior:
         return it.rules_class
     return cls
 
@@ -331,6 +333,9 @@ def module_source(items: Sequence[Item], choice: Choice, model: Model) -> str:
         "",
         "# ruff: noqa: E501",
         "# fmt: off",
+        "#: Whether classify_failure uses the fallback by default: only if rules + fallback",
+        "#: beat the rules alone in the cross-validation above.",
+        f"ON_BY_DEFAULT = {choice.hybrid_accuracy > choice.rules_accuracy!r}",
         "#: The rules' confidence below which the model may speak (``unknown`` is 0.1).",
         f"RULES_BELOW = {choice.rules_below!r}",
         "#: The model's posterior at which it speaks.",

@@ -21,8 +21,8 @@ The classifier weighs evidence in this order, strongest first:
 6. where all of that ends at ``unknown``, a learned fallback (a logistic regression
    over the tail's normalised words, trained on the corpus's development part by
    scripts/train_classifier.py, weights in :mod:`orchestrator.domain.failure_model`)
-   may name the class when it is sure; it never says ``user_code_error``, never
-   overrules numbers a detector judged healthy, and its evidence names it.
+   may name the class when it is sure; it never says ``user_code_error`` nor a class
+   whose cause is a fact about numbers, and its evidence names it.
 
 Nothing recognisable is ``unknown`` (retried within limits), never ``user_code_error``.
 Measured on real excerpts by ``bench/classify.py`` (docs/failures.md). Pure: no I/O.
@@ -1012,13 +1012,6 @@ def _copies(lines: list[str]) -> tuple[_Replicas, _Devices]:
     return replicas, devices
 
 
-def _compared_copies(replicas: _Replicas, devices: _Devices) -> bool:
-    """Whether any two copies that must agree were printed (two ranks, GPU and CPU)."""
-    return any(len({r for r, _, _ in c}) >= 2 for c in replicas.values()) or any(
-        {g for g, _, _ in printed} == {True, False} for printed in devices.values()
-    )
-
-
 def _copies_disagree(lines: list[str]) -> str | None:
     """The line of a tensor whose other copy, printed beside it, holds different
     numbers, or None. Two shapes of report, both with no error raised:
@@ -1048,26 +1041,6 @@ def _copies_disagree(lines: list[str]) -> str | None:
             if any(differ(nums, other) for other in cpu):
                 return line
     return None
-
-
-def healthy_numbers(lines: list[str]) -> frozenset[FailureClass]:
-    """The numeric classes whose detector had enough numbers in ``lines`` to judge:
-    a loss series of >= 2 points, >= 3 ranks/GPUs reporting a time or throughput (or
-    enough step times for a slowdown), two copies that must agree. Called where the
-    detectors did not fire, so their numbers were judged healthy, and the learned
-    fallback, which reads words and not numbers, may not overrule them: a healthy loss
-    log reads like a spike's to a bag of words ("step <n> loss <n>")."""
-    out: set[FailureClass] = set()
-    if any(len(points) >= _MIN_PRIOR for points in _loss_series(lines).values()):
-        out.add(_F.LOSS_SPIKE)
-    if (
-        any(len(_per_entity(lines, p)) >= _MIN_ENTITIES for p in (_DURATION, _THROUGHPUT))
-        or len(_step_times(lines)) > _SLOWDOWN_PERSIST
-    ):
-        out.add(_F.SLOW_PEER)
-    if _compared_copies(*_copies(lines)):
-        out.add(_F.SILENT_CORRUPTION)
-    return frozenset(out)
 
 
 _FRAME = re.compile(r'^\s*File "[^"]+", line \d+, in \S+')
@@ -1170,7 +1143,7 @@ def classify_failure(
     notice_kind: str | None = None,
     agent_report: dict[str, Any] | None = None,
     *,
-    model_fallback: bool = True,
+    model_fallback: bool | None = None,
 ) -> Classification:
     """Classify one failure from everything known about it. Pure.
 
@@ -1181,9 +1154,11 @@ def classify_failure(
     and ``message`` (free text scanned like the log).
 
     Where the rules find no strong evidence, the learned fallback
-    (:data:`orchestrator.domain.failure_model`) may name the class when it is sure
-    enough; ``model_fallback=False`` gives the rules alone (``bench/classify.py``
-    prints both).
+    (:mod:`orchestrator.domain.failure_model`) may name the class when it is sure
+    enough. ``model_fallback``: ``True`` rules + fallback, ``False`` the rules alone,
+    ``None`` (default) whichever grouped cross-validation on the corpus's development
+    part found better (``failure_model.ON_BY_DEFAULT``); ``bench/classify.py`` prints
+    both.
     """
     sig = effective_signal(exit_code, signal)
     if notice_kind:
@@ -1211,9 +1186,11 @@ def classify_failure(
             ev = (f"agent: {event}",) + (scanned.evidence if scanned else ())
             return Classification(cls, RETRYABLE[cls], 0.9, ev[:_MAX_EVIDENCE])
     rules = _from_scan_or_signal(scanned, sig, lines)
+    if model_fallback is None:
+        model_fallback = _fm.ON_BY_DEFAULT
     if not model_fallback or rules.confidence >= _fm.RULES_BELOW or not lines:
         return rules
-    guess = model_guess(failure_features(lines, exit_code, sig), rules, healthy_numbers(lines))
+    guess = model_guess(failure_features(lines, exit_code, sig), rules)
     return guess if guess is not None else rules
 
 
@@ -1242,14 +1219,24 @@ def _from_scan_or_signal(
 # literals: no I/O here). It is a fallback, never a rule: it runs only below
 # ``RULES_BELOW`` (the rules said ``unknown``), speaks only at posterior
 # >= ``MIN_POSTERIOR`` (both chosen by grouped cross-validation on the development
-# part), and never says ``user_code_error`` (the one class that is not retried must
-# rest on a rule an operator can read) nor ``unknown`` (that is the default anyway).
+# part), and never gives a class in ``MODEL_NEVER`` (``user_code_error``, ``unknown``,
+# and the classes whose cause is a fact about numbers).
 
 _UNKNOWN_CONFIDENCE = 0.1
 #: A model decision is never surer than this: below every named rule (>= 0.6) and the
 #: numeric detectors (0.7), so an operator reads it as a guess with reasons.
 MODEL_MAX_CONFIDENCE = 0.5
-_MODEL_NEVER = frozenset({_F.USER_CODE_ERROR, _F.UNKNOWN})
+#: Classes the model never gives. ``user_code_error``: the one class that is not
+#: retried must rest on a rule an operator can read. ``unknown``: that is the rules'
+#: answer anyway. The numeric classes: their cause is a fact about numbers, which the
+#: model's features normalise away; where numbers were printed the detectors judge
+#: them, and where none were the model has only the words around them, which healthy
+#: logs share ("step <n> loss <n>"): a model open to them called a healthy loss log a
+#: spike at p=0.98 and this repo's own "rank 1: chaos: hang at step 40" a slow peer at
+#: p=0.93.
+MODEL_NEVER = frozenset(
+    {_F.USER_CODE_ERROR, _F.UNKNOWN, _F.LOSS_SPIKE, _F.SLOW_PEER, _F.SILENT_CORRUPTION}
+)
 _MODEL_EVIDENCE_TOKENS = 5
 #: A line is read this far: a tensor repr can be megabytes and says nothing more.
 _FEATURE_LINE_CHARS = 1000
@@ -1297,6 +1284,7 @@ def model_posterior(
     classes: tuple[str, ...],
     bias: tuple[float, ...],
     weights: dict[str, tuple[tuple[int, float], ...]],
+    min_features: int = 1,
 ) -> tuple[list[float], list[str]]:
     """(posterior per class, the features the model knows) for one excerpt.
 
@@ -1306,7 +1294,7 @@ def model_posterior(
     known = sorted(f for f in features if f in weights)
     scores = list(bias)
     if known:
-        scale = 1.0 / math.sqrt(len(known))
+        scale = 1.0 / math.sqrt(max(len(known), min_features))
         for f in known:
             for c, w in weights[f]:
                 scores[c] += w * scale
@@ -1316,21 +1304,18 @@ def model_posterior(
     return [e / total for e in exps], known
 
 
-def model_guess(
-    features: set[str],
-    rules: Classification,
-    healthy: frozenset[FailureClass] = frozenset(),
-) -> Classification | None:
+def model_guess(features: set[str], rules: Classification) -> Classification | None:
     """The learned fallback's class for one excerpt whose rules gave ``rules`` (weak
     evidence), or ``None`` when it is not sure enough (posterior below
-    ``MIN_POSTERIOR``), or its best class is one it may not give (``user_code_error``,
-    ``unknown``, or a numeric class in ``healthy``: see :func:`healthy_numbers`). The
-    evidence names the model, its posterior and its words, then the rules' own."""
-    probs, known = model_posterior(features, _fm.CLASSES, _fm.BIAS, _fm.WEIGHTS)
+    ``MIN_POSTERIOR``) or its best class is one it may not give (:data:`MODEL_NEVER`).
+    The evidence names the model, its posterior and its words, then the rules' own."""
+    probs, known = model_posterior(
+        features, _fm.CLASSES, _fm.BIAS, _fm.WEIGHTS, getattr(_fm, "MIN_FEATURES", 1)
+    )
     best = max(range(len(probs)), key=lambda i: (probs[i], -i))
     cls = FailureClass(_fm.CLASSES[best])
     p = probs[best]
-    if cls in _MODEL_NEVER or cls in healthy or p < _fm.MIN_POSTERIOR:
+    if cls in MODEL_NEVER or p < _fm.MIN_POSTERIOR:
         return None
     # The words that pushed hardest towards this class, so an operator sees why.
     pull = sorted(
