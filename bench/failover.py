@@ -138,6 +138,15 @@ def leader(w: Watch) -> tuple[str, int] | None:
     return (str(rows[0][0]), int(rows[0][1])) if rows else None
 
 
+def _expires(w: Watch) -> float:
+    """When the reconciler lease runs out (epoch seconds)."""
+    from datetime import UTC
+
+    (row,) = w.rows("SELECT expires_at FROM leases WHERE name = 'reconciler'")
+    at = row[0] if row[0].tzinfo is not None else row[0].replace(tzinfo=UTC)
+    return float(at.timestamp())
+
+
 def replica_of(holder: str, replicas: list[Service]) -> Service | None:
     """The replica whose process holds the lease (holder = host:pid:object)."""
     try:
@@ -208,6 +217,8 @@ def run(
     late = [t for t in takeovers if t > TTL_S + 2 * INTERVAL_S]
     if late:
         doc["problems"].append(f"a new leader later than the TTL: {late}")
+    after = [r["after_expiry_s"] for r in doc["rounds"] if "after_expiry_s" in r]
+    doc["after_expiry_s_max"] = max(after) if after else None
     doc["ok"] = not doc["problems"] and len(doc["rounds"]) == incidents
     return doc
 
@@ -268,8 +279,10 @@ def _round(
     t0 = time.monotonic()
     lb.set_in(victim.port, False)
     victim.kill(signal.SIGKILL if how == "SIGKILL" else signal.SIGSTOP)
+    expires = _expires(w)  # the out leader's last renewal, plus the TTL
     got = wait("a new leader", lambda: (x := leader(w)) and x[0] != old[0] and x, TTL_S * 3, 0.05)
     r["takeover_s"] = round(time.monotonic() - t0, 2)
+    r["after_expiry_s"] = round(time.time() - expires, 2)
     r["epochs"] = [old[1], got[1]]
     r["new_leader"] = svcs.index(replica_of(got[0], svcs)) if replica_of(got[0], svcs) else None
     r["old_leader"] = svcs.index(victim)
