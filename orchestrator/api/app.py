@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import Engine, func, select, text
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orchestrator import __version__
 from orchestrator.api import (
@@ -23,7 +24,11 @@ from orchestrator.api import (
     routes_tokens,
 )
 from orchestrator.api.auth import ensure_local_token, install_redaction
-from orchestrator.api.limits import RequestLimits, validation_error_handler
+from orchestrator.api.limits import (
+    RequestLimits,
+    http_error_handler,
+    validation_error_handler,
+)
 from orchestrator.dashboard import routes as dashboard
 from orchestrator.domain.status import JobStatus
 from orchestrator.settings import Settings
@@ -95,6 +100,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     # a 422 cuts the inputs it echoes (api/limits.py).
     app.add_middleware(RequestLimits)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
 
     @app.get("/healthz", tags=["ops"])
     def healthz() -> dict[str, str]:

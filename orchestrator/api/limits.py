@@ -22,10 +22,14 @@ from typing import Any
 from urllib.parse import unquote
 
 from fastapi.encoders import jsonable_encoder
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from orchestrator.domain.spec import MAX_JSON_DEPTH
 
 #: Every route's request body limit, in bytes (a job spec has its own, smaller one).
 BODY_LIMIT = 1024 * 1024
@@ -159,6 +163,20 @@ def validation_detail(errors: list[Any]) -> list[Any]:
 
 def validation_error_response(e: RequestValidationError) -> JSONResponse:
     return JSONResponse({"detail": validation_detail(list(e.errors()))}, status_code=422)
+
+
+async def http_error_handler(request: Request, e: Exception) -> Response:
+    """FastAPI's own answer, but a body too deeply nested for ``json.loads`` (which
+    recurses: about 1,000 levels) says so instead of "There was an error parsing the
+    body"."""
+    assert isinstance(e, StarletteHTTPException)
+    if e.status_code == 400 and isinstance(e.__cause__, RecursionError):
+        return _json(
+            400,
+            "the JSON body is nested too deeply to read; request bodies may nest "
+            f"{MAX_JSON_DEPTH} levels",
+        )
+    return await http_exception_handler(request, e)
 
 
 async def validation_error_handler(_request: Request, e: Exception) -> JSONResponse:

@@ -94,7 +94,7 @@ HOSTILE_EVENTS = [
         event_json('"details": {"n": 1' + "0" * 30 + "}"), "beyond 64 bits", id="int-10e30"
     ),
     pytest.param(event_json('"details": ' + nested(40)), "nested deeper than 32", id="nested-40"),
-    pytest.param(event_json('"details": ' + nested(5000)), "", id="nested-5000"),
+    pytest.param(event_json('"details": ' + nested(5000)), "nested too deeply", id="nested-5000"),
     pytest.param(event_json('"node_id": "../../etc"'), "node_id", id="node-id-traversal"),
     pytest.param(event_json('"node_id": "a..b"'), "no path traversal", id="node-id-dotdot"),
     pytest.param(
@@ -267,7 +267,9 @@ d: [*c,*c,*c,*c,*c,*c,*c,*c,*c]
 
 HOSTILE_YAML = [
     pytest.param(BILLION_LAUGHS, "YAML aliases (*a) are not allowed", id="billion-laughs"),
-    pytest.param("a: " + "[" * 5000 + "]" * 5000, "YAML nested deeper than 32 levels", id="deep-yaml"),
+    pytest.param(
+        "a: " + "[" * 5000 + "]" * 5000, "YAML nested deeper than 32 levels", id="deep-yaml"
+    ),
     pytest.param("name: !!python/object:os.system x", "unreadable YAML", id="python-tag"),
 ]
 
