@@ -166,15 +166,15 @@ def test_sources_md_lists_the_corpus_as_it_is() -> None:
 # --- the classifier on the corpus ---
 
 #: Floors against regressions at the measured figures (BENCHMARKS.md), below the
-#: issue's target (>= 95% held-out, no class under 85%), which is not met yet. The
-#: shipped classifier (rules + learned fallback) measured 90.3% held out (131/145) and
-#: 98.8% on dev (where the fallback was trained, so not a measurement); the rules
-#: alone 89.0% and 98.3%, floored separately so the fallback cannot hide a rule that
-#: got worse.
-HELD_OUT_FLOOR = 0.90
+#: issue's target (>= 95% held-out, no class under 85%), which is not met yet.
+#: ``classify_failure``'s default is the rules alone (the learned fallback did not beat
+#: them in grouped cross-validation on dev): 89.0% held out (129/145), 98.3% dev.
+HELD_OUT_FLOOR = 0.88
 DEV_FLOOR = 0.98
-RULES_HELD_OUT_FLOOR = 0.88
-RULES_DEV_FLOOR = 0.98
+#: Rules + learned fallback (``model_fallback=True``): 91.0% held out (132/145; the
+#: second of two held-out runs, docs/failures.md), 98.3% dev (its training data).
+FALLBACK_HELD_OUT_FLOOR = 0.91
+FALLBACK_DEV_FLOOR = 0.98
 
 
 def test_classifier_holds_its_measured_accuracy_on_both_parts() -> None:
@@ -184,11 +184,11 @@ def test_classifier_holds_its_measured_accuracy_on_both_parts() -> None:
     assert h.accuracy >= HELD_OUT_FLOOR, f"held out {h.accuracy:.1%}"
 
 
-def test_the_rules_alone_hold_their_measured_accuracy_on_both_parts() -> None:
+def test_rules_with_the_learned_fallback_hold_their_measured_accuracy() -> None:
     dev, held = bench.split(CORPUS)
-    d, h = bench.score(dev, bench.predict_rules), bench.score(held, bench.predict_rules)
-    assert d.accuracy >= RULES_DEV_FLOOR, f"dev {d.accuracy:.1%}"
-    assert h.accuracy >= RULES_HELD_OUT_FLOOR, f"held out {h.accuracy:.1%}"
+    d, h = bench.score(dev, bench.predict_hybrid), bench.score(held, bench.predict_hybrid)
+    assert d.accuracy >= FALLBACK_DEV_FLOOR, f"dev {d.accuracy:.1%}"
+    assert h.accuracy >= FALLBACK_HELD_OUT_FLOOR, f"held out {h.accuracy:.1%}"
 
 
 #: The user's own AssertionError comparing two tensors, where the thread found that
@@ -199,9 +199,8 @@ KNOWN_FALSE_USER_ERRORS = {"silent_corruption-nccl-1950-avg-reduce-tail-zeros"}
 def test_no_other_failure_is_called_a_user_error() -> None:
     # The one class that is not retried: a wrong user_code_error fails a job that a
     # restart would have saved.
-    wrong = {
-        e.id
-        for e in CORPUS
-        if e.label != "user_code_error" and bench.predict(e) == "user_code_error"
-    }
-    assert wrong <= KNOWN_FALSE_USER_ERRORS
+    for predict in (bench.predict_rules, bench.predict_hybrid):
+        wrong = {
+            e.id for e in CORPUS if e.label != "user_code_error" and predict(e) == "user_code_error"
+        }
+        assert wrong <= KNOWN_FALSE_USER_ERRORS
