@@ -484,7 +484,7 @@ def main() -> None:
             {
                 k: v
                 for k, v in asdict(r).items()
-                if k in ("db", "point", "ok", "recovery_s", "killed_at", "problems")
+                if k in ("db", "point", "ok", "recovery_s", "problems")
             }
             for r in results
         ],
