@@ -101,3 +101,27 @@ def test_a_register_that_failed_after_its_node_row_stores_no_node(app, monkeypat
         r = c.post(f"/v1/jobs/{job_id}/attempts/1/nodes/n0/register", json=body)
         assert r.status_code == 500
     assert _count(sm, Node, job_id=job_id) == 0
+
+
+def test_an_event_post_that_failed_after_its_row_stores_nothing(app, monkeypatch):
+    """The operator routes' transaction (``SessionDep``), not the agents' one."""
+    job_id = _job_with_attempt(app)
+    sm = app.state.sessionmaker
+    from orchestrator.api import routes_jobs
+
+    real = repo.record_event
+
+    def record_then_fail(*a, **kw):  # type: ignore[no-untyped-def]
+        real(*a, **kw)
+        raise Injected("after the event row was written")
+
+    monkeypatch.setattr(routes_jobs.repo, "record_event", record_then_fail)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        c.headers["Authorization"] = f"Bearer {app.state.token}"
+        r = c.post(f"/v1/jobs/{job_id}/events", json={"idempotency_key": "k", "kind": "x"})
+        assert r.status_code == 500
+        monkeypatch.setattr(routes_jobs.repo, "record_event", real)
+        assert c.get(f"/v1/jobs/{job_id}/events").json()["items"] == []
+        again = c.post(f"/v1/jobs/{job_id}/events", json={"idempotency_key": "k", "kind": "x"})
+        assert again.status_code == 201, again.text
+    assert _count(sm, FailureEvent, job_id=job_id) == 1
