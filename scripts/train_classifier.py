@@ -139,14 +139,12 @@ def fold_of(project: str) -> int:
 class Model:
     bias: tuple[float, ...]
     weights: dict[str, tuple[tuple[int, float], ...]]
-    min_features: int
 
     def posterior(self, features: frozenset[str]) -> list[float]:
-        feats = set(features)
-        return model_posterior(feats, CLASSES, self.bias, self.weights, self.min_features)[0]
+        return model_posterior(set(features), CLASSES, self.bias, self.weights)[0]
 
 
-def fit(items: Sequence[Item], l2: float, min_features: int = 1) -> Model:
+def fit(items: Sequence[Item], l2: float) -> Model:
     """Multinomial logistic regression, deterministic: zeros, fixed steps, fixed order."""
     per_feature: dict[str, set[str]] = defaultdict(set)
     for it in items:
@@ -165,7 +163,7 @@ def fit(items: Sequence[Item], l2: float, min_features: int = 1) -> Model:
         cols = sorted(index[f] for f in it.features if f in index)
         rows_l += [r] * len(cols)
         cols_l += cols
-        vals_l += [1.0 / math.sqrt(max(len(cols), min_features))] * len(cols)
+        vals_l += [1.0 / math.sqrt(len(cols))] * len(cols)
     rows, cols_a, vals = np.array(rows_l), np.array(cols_l), np.array(vals_l)
     # One bincount per product over (row, class) / (column, class) cells, flattened.
     classes = np.arange(k)
@@ -206,7 +204,7 @@ def fit(items: Sequence[Item], l2: float, min_features: int = 1) -> Model:
         weights[f] = tuple(
             (c, round(float(val), ROUND)) for c, val in enumerate(row) if abs(val) >= MIN_ABS_WEIGHT
         )
-    return Model(tuple(round(float(val), ROUND) for val in b), weights, min_features)
+    return Model(tuple(round(float(val), ROUND) for val in b), weights)
 
 
 @dataclass(frozen=True)

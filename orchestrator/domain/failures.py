@@ -1284,7 +1284,6 @@ def model_posterior(
     classes: tuple[str, ...],
     bias: tuple[float, ...],
     weights: dict[str, tuple[tuple[int, float], ...]],
-    min_features: int = 1,
 ) -> tuple[list[float], list[str]]:
     """(posterior per class, the features the model knows) for one excerpt.
 
@@ -1294,7 +1293,7 @@ def model_posterior(
     known = sorted(f for f in features if f in weights)
     scores = list(bias)
     if known:
-        scale = 1.0 / math.sqrt(max(len(known), min_features))
+        scale = 1.0 / math.sqrt(len(known))
         for f in known:
             for c, w in weights[f]:
                 scores[c] += w * scale
@@ -1309,9 +1308,7 @@ def model_guess(features: set[str], rules: Classification) -> Classification | N
     evidence), or ``None`` when it is not sure enough (posterior below
     ``MIN_POSTERIOR``) or its best class is one it may not give (:data:`MODEL_NEVER`).
     The evidence names the model, its posterior and its words, then the rules' own."""
-    probs, known = model_posterior(
-        features, _fm.CLASSES, _fm.BIAS, _fm.WEIGHTS, getattr(_fm, "MIN_FEATURES", 1)
-    )
+    probs, known = model_posterior(features, _fm.CLASSES, _fm.BIAS, _fm.WEIGHTS)
     best = max(range(len(probs)), key=lambda i: (probs[i], -i))
     cls = FailureClass(_fm.CLASSES[best])
     p = probs[best]
