@@ -50,7 +50,7 @@ def sure_of(monkeypatch: pytest.MonkeyPatch, cls: FailureClass, margin: float = 
 UNRECOGNISED = "epoch 3 finished\nverification of the output: MISMATCH"
 
 
-@pytest.mark.slow
+@pytest.mark.long  # about 90 s: it retrains (5-fold CV); run with -m long
 def test_the_committed_model_is_what_the_script_writes_from_the_dev_part() -> None:
     # Regenerate with: .venv/bin/python scripts/train_classifier.py
     train = _load("train_classifier", "scripts/train_classifier.py")
