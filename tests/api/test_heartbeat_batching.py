@@ -262,3 +262,10 @@ def test_a_stale_attempt_made_on_another_replica_is_refused_after_the_next_flush
     assert beat(client, job, "n0", step=2) == 409
     with client.app.state.sessionmaker() as s:
         assert s.get(Job, job) is not None
+
+
+def test_a_node_registered_on_another_replica_is_accepted_on_a_cache_miss(client, job, replica_b):
+    register(replica_b, job, "n0")  # A's cache has never heard of the job or the node
+    assert beat(client, job, "n0", step=1) == 200
+    assert beat(client, "j-nope", "n0", step=1) == 404  # an unknown job, as before
+    assert beat(client, job, "n9", step=1) == 404  # a node nobody registered
