@@ -78,6 +78,12 @@ def proc_threads_cpu_s(pid: int) -> dict[int, float]:
     return out
 
 
+def agent_token(job_id: str) -> str:
+    """What the nodes of attempt 1 carry; the bootstrap token for a service older than
+    agent tokens (``--operator-token``)."""
+    return TOKEN if ARGS.operator_token else job_token(TOKEN, job_id, 1)
+
+
 def heartbeat_body(node_rank: int, tick: int) -> dict[str, Any]:
     """What an agent with 8 training ranks sends (``HeartbeatIn``, agent/main.py)."""
     step = 1000 + tick
@@ -120,7 +126,9 @@ def serve_bare(port: int) -> None:
     app = FastAPI()
 
     @app.post("/v1/jobs/{job_id}/attempts/{attempt}/nodes/{node_id}/heartbeat")
-    async def heartbeat(job_id: str, attempt: int, node_id: str, body: HeartbeatIn) -> dict:
+    async def heartbeat(
+        job_id: str, attempt: int, node_id: str, body: HeartbeatIn
+    ) -> dict[str, Any]:
         return {}
 
     uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")).run()
@@ -152,11 +160,13 @@ def database(backend: str, home: Path) -> Iterator[str]:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-def start(cmd: list[str], env: dict[str, str], port: int, log: Path) -> subprocess.Popen:
+def start(
+    cmd: list[str], env: dict[str, str], port: int, log: Path, cwd: Path = ROOT
+) -> subprocess.Popen[bytes]:
     import httpx
 
     out = log.open("w")
-    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=cwd)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -169,7 +179,7 @@ def start(cmd: list[str], env: dict[str, str], port: int, log: Path) -> subproce
     raise RuntimeError(f"{cmd[:3]} did not come up: {log.read_text()[-2000:]}")
 
 
-def stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen[bytes]) -> None:
     proc.terminate()
     try:
         proc.wait(timeout=30)
@@ -205,7 +215,7 @@ async def register_all(base: str, job_id: str, nodes: int) -> None:
     from orchestrator.contract import AGENT_PROTOCOL
 
     sem = asyncio.Semaphore(32)
-    headers = {"Authorization": f"Bearer {job_token(TOKEN, job_id, 1)}"}
+    headers = {"Authorization": f"Bearer {agent_token(job_id)}"}
     async with aiohttp.ClientSession(headers=headers) as http:
 
         async def one(k: int) -> None:
@@ -246,7 +256,7 @@ def generator(
         conn = aiohttp.TCPConnector(limit=0, force_close=False)
         timeout = aiohttp.ClientTimeout(total=cfg["client_timeout"])
         # What an agent carries: its attempt's token (no query to check, auth.job_token).
-        token = job_token(TOKEN, job_id, 1)
+        token = agent_token(job_id)
         headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
         async with aiohttp.ClientSession(connector=conn, headers=headers) as http:
 
@@ -375,9 +385,12 @@ def run_service(backend: str, nodes: int, cfg: dict[str, Any], work: Path) -> di
             "SKYRESUME_TOKEN": TOKEN,
             "SKYRESUME_RECONCILE": "false",
             "SKYRESUME_DATABASE_URL": url,
+            "SKYRESUME_AUTO_MIGRATE": "false",  # migrated above (an older tree may not know it)
         }
-        skyresume = str(Path(sys.executable).parent / "skyresume")
-        proc = start([skyresume, "serve", "--port", str(port)], env, port, home / "service.log")
+        cmd = [sys.executable, "-m", "orchestrator.cli", "serve", "--port", str(port)]
+        if ARGS.service_src:  # another tree's service (an older commit, `git archive`d)
+            env["PYTHONPATH"] = str(ARGS.service_src)
+        proc = start(cmd, env, port, home / "service.log", cwd=ARGS.service_src or ROOT)
         base = f"http://127.0.0.1:{port}"
         try:
             spec = {
@@ -488,11 +501,13 @@ def breakdown(rounds: int = 7, requests: int = 500) -> dict[str, float]:
     bare = FastAPI()
 
     @bare.post("/v1/jobs/{job_id}/attempts/{attempt}/nodes/{node_id}/heartbeat")
-    async def heartbeat(job_id: str, attempt: int, node_id: str, body: HeartbeatIn) -> dict:
+    async def heartbeat(
+        job_id: str, attempt: int, node_id: str, body: HeartbeatIn
+    ) -> dict[str, Any]:
         return {}
 
     out = {"service_ms": cost(app), "bare_ms": cost(bare)}
-    app.user_middleware = [m for m in app.user_middleware if m.cls is not BaseHTTPMiddleware]
+    app.user_middleware = [m for m in app.user_middleware if m.cls is not BaseHTTPMiddleware]  # type: ignore[comparison-overlap]
     app.middleware_stack = None  # rebuilt without them on the next call
     out["service_without_http_middleware_ms"] = cost(app)
     client.close()
@@ -525,6 +540,8 @@ def main() -> None:
     p.add_argument(
         "--breakdown-only", action="store_true", help="only the in-process CPU breakdown"
     )
+    p.add_argument("--service-src", type=Path, help="run the service from this source tree")
+    p.add_argument("--operator-token", action="store_true", help="beat with the bootstrap token")
     p.add_argument("--serve-bare", type=int, help=argparse.SUPPRESS)
     ARGS = p.parse_args()
     if ARGS.serve_bare:
