@@ -15,6 +15,8 @@ scale"). So a heartbeat touches no database on its hot path:
   next beat). A change made by another replica is seen within one flush interval.
   Only "current" can go stale: an attempt that is not current never becomes current
   again (a newer attempt, ``ended`` and a terminal job are all final).
+  A job found over (or gone) at a flush is forgotten, nodes and beats with it, so
+  memory does not grow with every job the service ever ran.
 - **Progress** is kept per node as the newest accepted beat (:class:`Beat`). A
   flush writes every beat accepted since the last one in **one transaction** (one
   SELECT of the rows, one executemany UPDATE, one currency read), guarded by
@@ -107,6 +109,8 @@ class LiveHeartbeats:
         self._flush_lock = threading.Lock()  # one flush at a time (thread or handler)
         self._load_locks: dict[str, threading.Lock] = {}
         self._jobs: dict[str, _Currency] = {}
+        self._recheck: set[str] = set()
+        """Jobs dropped by an invalidation: the next flush forgets them if they are over."""
         self._nodes: dict[tuple[str, str], int] = {}
         """(job_id, node_id) -> the attempt its row is registered for."""
         self._pending: dict[tuple[str, str], Beat] = {}
@@ -178,6 +182,7 @@ class LiveHeartbeats:
         with self._lock:
             for j in job_ids:
                 self._jobs.pop(j, None)
+                self._recheck.add(j)
 
     # --- beats (no I/O) -------------------------------------------------------------
 
@@ -263,7 +268,8 @@ class LiveHeartbeats:
         with self._flush_lock:
             with self._lock:
                 batch, self._pending = self._pending, {}
-                jobs = list(self._jobs)
+                jobs = sorted(set(self._jobs) | self._recheck)
+                self._recheck = set()
             if not batch and not jobs:
                 return True
             try:
@@ -273,6 +279,8 @@ class LiveHeartbeats:
             except Exception:  # the database blinked: the next flush tries again
                 log.exception("heartbeat flush of %d node(s) failed; kept", len(batch))
                 self.restore(batch.values())
+                with self._lock:
+                    self._recheck.update(jobs)
                 self.failed_flushes += 1
                 return False
             self.flushes += 1
@@ -284,7 +292,10 @@ class LiveHeartbeats:
         with self._lock:
             for j in asked:
                 cur = fresh.get(j)
-                if cur is None:
+                if cur is None or not cur.current:
+                    # Gone or over: forget it all, so memory and this read do not grow
+                    # with every job the service ever ran. A late beat of such a job
+                    # loads it again once (409) and is forgotten at the next flush.
                     self._drop_job_locked(j)
                 elif j in self._jobs:  # an invalidation since the read wins: reload
                     self._jobs[j] = cur
@@ -298,6 +309,7 @@ class LiveHeartbeats:
 
     def _drop_job_locked(self, job_id: str) -> None:
         self._jobs.pop(job_id, None)
+        self._load_locks.pop(job_id, None)
         for d in (self._nodes, self._latest):
             for key in [k for k in d if k[0] == job_id]:
                 del d[key]

@@ -269,3 +269,16 @@ def test_a_node_registered_on_another_replica_is_accepted_on_a_cache_miss(client
     assert beat(client, job, "n0", step=1) == 200
     assert beat(client, "j-nope", "n0", step=1) == 404  # an unknown job, as before
     assert beat(client, job, "n9", step=1) == 404  # a node nobody registered
+
+
+def test_a_finished_job_is_forgotten_at_the_next_flush_and_its_late_beats_still_get_409(
+    client, job
+):
+    live = client.app.state.liveness
+    register(client, job, "n0")
+    assert beat(client, job, "n0", step=1) == 200
+    assert client.post(f"/v1/jobs/{job}/cancel").status_code in (200, 202)
+    assert live.flush()  # the beat is written, then the over job leaves memory
+    assert live.latest(job, "n0") is None
+    assert sql_node(client.app.state.sessionmaker, job, "n0").state == "running"
+    assert beat(client, job, "n0", step=2) == 409
