@@ -470,6 +470,8 @@ async def heartbeat(
     live: LiveHeartbeats = request.app.state.liveness
     verdict = live.check(job_id, attempt, node_id)
     if verdict is Verdict.MISS:
+        if await request.is_disconnected():  # it gave up while queued: spare the read
+            return {}
         try:
             verdict = await anyio.to_thread.run_sync(live.load, job_id, attempt, node_id)
         except NotFound as e:
