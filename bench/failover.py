@@ -284,7 +284,8 @@ def _round(
     r["takeover_s"] = round(time.monotonic() - t0, 2)
     r["after_expiry_s"] = round(time.time() - expires, 2)
     r["epochs"] = [old[1], got[1]]
-    r["new_leader"] = svcs.index(replica_of(got[0], svcs)) if replica_of(got[0], svcs) else None
+    taker = replica_of(got[0], svcs)
+    r["new_leader"] = svcs.index(taker) if taker is not None else None
     r["old_leader"] = svcs.index(victim)
     if how == "SIGSTOP":
         # Paused past its lease: resumed, it must find its fence refused and act on

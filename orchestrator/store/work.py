@@ -90,9 +90,10 @@ def fence(s: Session, holder: str, epoch: int, lease_s: float, now: datetime) ->
         .where(Lease.name == LEASE_NAME)
         .where(Lease.holder == holder, Lease.epoch == epoch, Lease.expires_at > now)
         .values(expires_at=now + timedelta(seconds=lease_s))
+        .returning(Lease.epoch)
         .execution_options(synchronize_session=False)
-    ).rowcount
-    if got != 1:
+    ).scalar_one_or_none()
+    if got is None:
         raise NotLeader(f"{holder} no longer holds the reconciler lease at epoch {epoch}")
 
 
