@@ -159,9 +159,15 @@ def test_ops_endpoints(client):
     _submit(client)
     assert client.get("/healthz").json() == {"status": "ok"}
     assert client.get("/readyz").json() == {"status": "ready"}
+    assert client.get("/v1/jobs/j-nope").status_code == 404
     metrics = client.get("/metrics").text
     assert 'skyresume_jobs{status="PENDING"} 1.0' in metrics
-    assert "skyresume_http_requests_total" in metrics
+    # Counted by route template and the status the client got.
+    assert (
+        'skyresume_http_requests_total{code="404",method="GET",route="/v1/jobs/{job_id}"} 1.0'
+        in metrics
+    )
+    assert 'skyresume_http_requests_total{code="201",method="POST",route="/v1/jobs"}' in metrics
     paths = client.get("/openapi.json").json()["paths"]
     assert {"/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/events"} <= set(paths)
 
