@@ -5,12 +5,15 @@ SQLite and PostgreSQL, a fixed clock, two reconcilers on one database."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from sqlalchemy import text
 from testkit import FakeLauncher
 
 from orchestrator.domain.reconcile import LaunchPhase, LaunchProgress
@@ -260,3 +263,63 @@ def test_after_a_failed_request_the_next_try_is_a_launch_of_its_own(pair):
     assert p.launcher.started == [f"{p.job}-a1", f"{p.job}-a1-t1"]
     with p.sm() as s:
         assert s.query(FailureEvent).filter_by(job_id=p.job, kind="launch_failed").count() == 1
+
+
+def _waiting_on_a_lock(p: Pair) -> bool:
+    with p.sm() as s:
+        n = s.execute(
+            text(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND wait_event_type = 'Lock'"
+            )
+        ).scalar_one()
+    return bool(n)
+
+
+def test_a_takeover_waits_for_the_fenced_transaction_and_then_takes_nothing(pair, db_url):
+    """On PostgreSQL the fence holds the lease row until its transaction commits: a
+    replica whose clock says the lease ran out waits, then finds it renewed."""
+    if db_url.startswith("sqlite"):
+        pytest.skip("SQLite has no row locks (one replica only)")
+    p = pair
+    assert p.a.acquire_lease(at(0))
+    got: list[int | None] = []
+    with p.sm() as s, s.begin():
+        work.fence(s, "A", 1, TTL, at(9))  # renewed to 19, not committed yet
+
+        def take() -> None:
+            with p.sm() as s2:
+                got.append(work.acquire_lease(s2, "B", TTL, at(12)))
+
+        t = threading.Thread(target=take)
+        t.start()
+        for _ in range(400):  # until B's UPDATE is seen waiting on the row (or give up)
+            if _waiting_on_a_lock(p) or got:
+                break
+            time.sleep(0.025)
+        assert not got  # B is still waiting while A's transaction is open
+        assert _waiting_on_a_lock(p)
+    t.join(30)
+    assert got == [None]  # A committed its renewal first: nothing to take
+    assert p.lease()[:2] == ("A", 1)
+
+
+def test_a_holder_stopped_inside_its_fenced_transaction_is_cut_off_by_the_server(pair, db_url):
+    """A holder that stops while it holds the lease row (SIGSTOP, a partition) loses
+    its session after the lease's length (``idle_in_transaction_session_timeout``):
+    the takeover goes through and the stopped holder's commit fails."""
+    if db_url.startswith("sqlite"):
+        pytest.skip("SQLite has no row locks (one replica only)")
+    p = pair
+    short = 1.0  # the lease, and so the server's cut-off, in seconds
+    with p.sm() as s:
+        assert work.acquire_lease(s, "A", short, at(0)) == 1
+    s = p.sm()
+    s.begin()
+    work.fence(s, "A", 1, short, at(0.5))  # renewed to 1.5; then A stops, holding it
+    with p.sm() as s2:
+        assert work.acquire_lease(s2, "B", short, at(2)) == 2  # waited for the cut-off
+    with pytest.raises(Exception, match=r"idle-in-transaction|terminat|closed"):
+        s.commit()
+    s.close()
+    assert p.lease()[:2] == ("B", 2)
