@@ -80,7 +80,11 @@ LONG_POLL_THREADS = 4
 HEARTBEAT_S = 1.0
 
 
-async def require_job_access(request: Request, job_id: str, attempt: int) -> None:
+async def require_job_access(
+    request: Request,
+    job_id: str,
+    attempt: Annotated[int, Path(ge=0, le=INT32_MAX, description="attempt number")],
+) -> None:
     """This attempt's agent token, or an operator token of role operator or above.
 
     The agent token is checked first, on the event loop, and costs no query

@@ -31,6 +31,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoes
 from sqlalchemy import func, select
 
 from orchestrator.api.deps import SessionDep
+from orchestrator.api.schemas import MAX_OFFSET
 from orchestrator.dashboard import auth, charts
 from orchestrator.domain.failures import FailureClass
 from orchestrator.domain.status import JobStatus
@@ -144,7 +145,7 @@ def logout(request: Request) -> Response:
 def jobs_page(
     session: SessionDep,
     status: Annotated[str | None, Query()] = None,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
 ) -> Response:
     chosen: JobStatus | None = None
     if status:
