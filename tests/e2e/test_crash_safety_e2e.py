@@ -6,6 +6,7 @@ processes, real nodes on loopback; a kill point is about 80 s)."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ def _crashsafe():  # type: ignore[no-untyped-def]
     spec = importlib.util.spec_from_file_location("bench_crashsafe", _ROOT / "bench/crashsafe.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
