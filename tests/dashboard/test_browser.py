@@ -70,7 +70,7 @@ def test_log_in_open_a_job_with_incidents_and_see_the_mttr_chart(chromium, live_
 
         page.fill("#token", "not-the-token")
         page.click("button[type=submit]")
-        assert "not the operator token" in page.locator(".error").inner_text()
+        assert "unknown or revoked" in page.locator(".error").inner_text()
         problems.clear()  # the 401 itself is logged by the browser as a failed load
 
         page.fill("#token", seeded_app.state.token)

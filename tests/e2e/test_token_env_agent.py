@@ -24,6 +24,7 @@ out = pathlib.Path(sys.argv[1])
 out.joinpath("rank.env").write_bytes(pathlib.Path("/proc/self/environ").read_bytes())
 out.joinpath("parent.env").write_bytes(pathlib.Path(f"/proc/{os.getppid()}/environ").read_bytes())
 out.joinpath("parent.cmd").write_bytes(pathlib.Path(f"/proc/{os.getppid()}/cmdline").read_bytes())
+import time; time.sleep(3)  # long enough for the agent to find the rank (it scans /proc)
 """
 
 
