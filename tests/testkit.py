@@ -48,6 +48,27 @@ def job_spec(**overrides):  # type: ignore[no-untyped-def]
     return doc
 
 
+def job_with_running_attempt(app) -> str:  # type: ignore[no-untyped-def]
+    """A job (``job_spec()``) stored with attempt 1 running on one local node: what the
+    agent routes need to answer for a node; its id."""
+    from datetime import UTC, datetime
+
+    from orchestrator.domain.spec import validate_job_spec
+    from orchestrator.store import repo
+    from orchestrator.store.models import Attempt
+
+    with app.state.sessionmaker.begin() as s:
+        job = repo.create_job(s, validate_job_spec(job_spec()))
+        s.add(
+            Attempt(
+                job_id=job.id, number=1, cloud="local", region="local", instance_type="cpu",
+                num_nodes=1, spot=True, knobs={}, started_at=datetime.now(UTC),
+                state="running", launcher="local",
+            )
+        )  # fmt: skip
+        return str(job.id)
+
+
 def kill_tree(pid: int, sig: int) -> None:
     """Signal a process and every descendant at once, as losing a node does.
 

@@ -10,17 +10,15 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 import uvicorn
-from testkit import job_spec
+from testkit import job_with_running_attempt
 
 from orchestrator.agent.main import Agent, AgentConfig
-from orchestrator.domain.spec import validate_job_spec
 from orchestrator.store import agents, repo
-from orchestrator.store.models import Attempt, Checkpoint
+from orchestrator.store.models import Checkpoint
 
 
 def _free_port() -> int:
@@ -49,16 +47,7 @@ def served(app) -> Iterator[str]:  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def job(app) -> str:  # type: ignore[no-untyped-def]
-    with app.state.sessionmaker.begin() as s:
-        j = repo.create_job(s, validate_job_spec(job_spec()))
-        s.add(
-            Attempt(
-                job_id=j.id, number=1, cloud="local", region="local", instance_type="cpu",
-                num_nodes=1, spot=True, knobs={}, started_at=datetime.now(UTC),
-                state="running", launcher="local",
-            )
-        )  # fmt: skip
-        return j.id
+    return job_with_running_attempt(app)
 
 
 def _agent(url: str, app: Any, job_id: str, tmp_path) -> Agent:  # type: ignore[no-untyped-def]

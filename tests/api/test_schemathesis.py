@@ -11,18 +11,13 @@ strategy directly: schemathesis's own pytest plugin does not run under pytest 9.
 from __future__ import annotations
 
 import hashlib
-from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis.specs.openapi import checks as oa_checks
-from testkit import job_spec
-
-from orchestrator.domain.spec import validate_job_spec
-from orchestrator.store import repo
-from orchestrator.store.models import Attempt
+from testkit import job_with_running_attempt
 
 EXAMPLES = 10
 LONG_EXAMPLES = 400
@@ -51,16 +46,7 @@ KNOWN = {
 
 
 def _seed(app: Any) -> str:
-    with app.state.sessionmaker.begin() as s:
-        job = repo.create_job(s, validate_job_spec(job_spec()))
-        s.add(
-            Attempt(
-                job_id=job.id, number=1, cloud="local", region="local", instance_type="cpu",
-                num_nodes=1, spot=True, knobs={}, started_at=datetime.now(UTC),
-                state="running", launcher="local",
-            )
-        )  # fmt: skip
-        return job.id
+    return job_with_running_attempt(app)
 
 
 def _aim(case: Any, job_id: str) -> None:

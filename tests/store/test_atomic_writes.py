@@ -8,18 +8,15 @@ failed after its event row was then retried, found its key, answered
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
-from testkit import job_spec
+from testkit import job_with_running_attempt
 
 from orchestrator import __version__
 from orchestrator.contract import AGENT_PROTOCOL
-from orchestrator.domain.spec import validate_job_spec
 from orchestrator.store import agents, repo
-from orchestrator.store.models import Attempt, Checkpoint, FailureEvent, Node
+from orchestrator.store.models import Checkpoint, FailureEvent, Node
 
 
 class Injected(RuntimeError):
@@ -35,16 +32,7 @@ def _count(sessionmaker, model, **where) -> int:  # type: ignore[no-untyped-def]
 
 
 def _job_with_attempt(app) -> str:  # type: ignore[no-untyped-def]
-    with app.state.sessionmaker.begin() as s:
-        job = repo.create_job(s, validate_job_spec(job_spec()))
-        s.add(
-            Attempt(
-                job_id=job.id, number=1, cloud="local", region="local", instance_type="cpu",
-                num_nodes=1, spot=True, knobs={}, started_at=datetime.now(UTC),
-                state="running", launcher="local",
-            )
-        )  # fmt: skip
-        return job.id
+    return job_with_running_attempt(app)
 
 
 def test_a_savepoint_write_is_rolled_back_with_its_transaction(app):
