@@ -600,7 +600,15 @@ def detect(s: JobSnapshot, a: AttemptView, cfg: ReconcileConfig) -> RecordFailur
                 f"node {node.node_id} sent no heartbeat for {hb:.0f} s "
                 f"(timeout {s.heartbeat_timeout_s:.0f} s)",
             )
-    if a.validated_step is not None:
+    # A hang is a rank that stopped while its agent still heartbeats. While some node's
+    # agent has been silent for half the timeout, the others' stalled ranks are waiting
+    # on it: that node is lost at the timeout, and calling its peers hung first (their
+    # silence counts the last report's age too) named the wrong failure in a race.
+    unheard = any(
+        not n.exited and _silence(s, n.last_heartbeat_at) > s.heartbeat_timeout_s / 2
+        for n in a.nodes
+    )
+    if a.validated_step is not None and not unheard:
         # A frozen rank stalls every peer at its next collective, so all go silent
         # together; name them all, the one silent longest first.
         silent = sorted(

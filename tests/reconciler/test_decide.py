@@ -181,6 +181,18 @@ def test_a_rank_without_progress_after_validation_is_a_hang():
     assert out.kind == "rank_hang" and out.rank == 3 and out.failure_class is F.NCCL_TIMEOUT
 
 
+def test_a_silent_node_is_lost_not_its_peers_hung():
+    """A partitioned node: its agent has not been heard for 29 s and its ranks' last
+    report was 1.5 s old then (30.5 s of silence, past the 30 s timeout); the other
+    node's ranks wait on it. Not a hang: at the timeout the node is lost."""
+    stalled = rc.RankView(rank=3, step=50, resumed_step=0, report_age_s=1.5)
+    n1 = replace(node(1, hb=29), ranks=(node(1).ranks[0], stalled))
+    assert rc.decide(snap(attempt=attempt(nodes=(node(0), n1)))) == []
+    n1 = replace(n1, last_heartbeat_at=ago(31))
+    (out,) = rc.decide(snap(attempt=attempt(nodes=(node(0), n1))))
+    assert out.kind == "node_lost" and out.node_id == "j-a1-n1"
+
+
 def test_a_rank_still_loading_before_validation_is_not_a_hang():
     slow = rc.RankView(rank=3, step=None, resumed_step=None, report_age_s=100.0)
     n1 = replace(node(1), ranks=(node(1).ranks[0], slow))
