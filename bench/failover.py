@@ -125,8 +125,8 @@ class Balancer:
         try:
             while data := a.recv(65536):
                 b.sendall(data)
-        except OSError:
-            pass
+        except OSError:  # a side reset or closed: this connection is over either way
+            return
         finally:
             for s in (a, b):
                 with contextlib.suppress(OSError):
