@@ -99,6 +99,39 @@ class CapacityError(LaunchError):
     region or instance type may well work, so the job re-plans instead of failing."""
 
 
+class VerbRefused(LaunchError):
+    """The launcher will not carry out this verb on that cluster now (refill, restart in
+    place), and asking again will not change that: nothing was submitted, and nothing
+    is wrong with the placement. The reconciler's next try is a fresh launch on a new
+    cluster (``decide()`` chooses it; no region is cooled down)."""
+
+
+class RefillRefused(VerbRefused):
+    """A refill was refused before it was submitted: the cluster is not one that has
+    lost nodes (SkyPilot would rerun everything on the same, possibly doomed, VMs), or
+    its old jobs could not be cancelled first."""
+
+
+class RestartRefused(VerbRefused):
+    """A restart in place (``sky.exec``: no setup) was refused: the cluster is not UP,
+    or its nodes hold another agent package than the one this service serves."""
+
+
+class SubmitUncertain(LaunchError):
+    """A submission did not answer within its bound: the provider may have accepted
+    it. The same key must be asked again (it adopts what was accepted) until the
+    provider proves nothing was: never a new key, never counted as a failed launch."""
+
+
+@dataclass(frozen=True)
+class DownResult:
+    """What :meth:`Launcher.confirm_down` found: ``gone`` only when the provider lists
+    nothing of the cluster any more (the attempt may be recorded ``downed``)."""
+
+    gone: bool
+    detail: str = ""
+
+
 @runtime_checkable
 class Launcher(Protocol):
     """What the reconciler asks of whatever provides nodes."""
@@ -130,7 +163,24 @@ class Launcher(Protocol):
         ...
 
     def status(self, handle: LaunchHandle) -> ClusterStatus: ...
-    def down(self, handle: LaunchHandle) -> None: ...
+    def down(self, handle: LaunchHandle) -> None:
+        """Ask for the teardown (idempotent) and return. A launcher whose teardown
+        finishes later also implements :class:`ConfirmsDown`. LaunchError when it could
+        not be asked."""
+        ...
+
+
+@runtime_checkable
+class ConfirmsDown(Protocol):
+    """A launcher whose :meth:`Launcher.down` only asks (SkyPilot's teardown takes
+    minutes): an attempt is ``downed`` once :meth:`confirm_down` says so, and until
+    then its down is asked again on later ticks. (Kept out of :class:`Launcher` until
+    every launcher has it: the local one's down is finished when it returns.)"""
+
+    def confirm_down(self, handle: LaunchHandle) -> DownResult:
+        """Whether the cluster is gone (never raises: a provider that cannot be read
+        is ``gone=False``)."""
+        ...
 
 
 @runtime_checkable
