@@ -1190,3 +1190,139 @@ def test_a_users_error_raised_while_forming_the_process_group_stays_a_user_error
 )
 def test_library_wordings_name_their_class(log: str, want: FailureClass) -> None:
     assert classify_failure(None, None, log).failure_class is want
+
+
+# --- benign start-up and shutdown lines (issue 27) ---------------------------------------
+# Lines healthy ranks print, quoted from real logs: the ones marked "here" were printed
+# by training/examples/minimal.py under torchrun (2 ranks, SIGTERMed) on this machine.
+# None of them names a cause; a rank the agent's own SIGTERM stopped, whatever of these
+# its tail holds, is an external termination, never a rendezvous failure.
+BENIGN_LINES: list[tuple[str, str]] = [
+    # https://github.com/pytorch/pytorch/issues/159007 (no reverse DNS, as on a netns host)
+    (
+        "c10d-hostname-err-3",
+        "[W724 18:22:38.909218572 socket.cpp:200] [c10d] The hostname of the client "
+        "socket cannot be retrieved. err=-3",
+    ),
+    # https://github.com/pytorch/pytorch/issues/73656 (IPv6 first, then IPv4)
+    (
+        "c10d-client-ipv6-errno-97",
+        "[W508 19:42:29.081090059 socket.cpp:759] [c10d] The client socket cannot be "
+        "initialized to connect to [jwb0129i.juwels]:21068 (errno: 97 - Address family "
+        "not supported by protocol).",
+    ),
+    # https://github.com/microsoft/vidur/issues/49
+    (
+        "c10d-server-ipv6-errno-97",
+        "[W socket.cpp:464] [c10d] The server socket cannot be initialized on [::]:50704 "
+        "(errno: 97 - Address family not supported by protocol).",
+    ),
+    # https://github.com/meta-pytorch/monarch/pull/1571
+    (
+        "c10d-ipv6-addresses",
+        "[W1008 23:40:22.781961348 socket.cpp:767] [c10d] The IPv6 network addresses of "
+        "(job-01k72wn5f8waqw7d81mfggagn4.internal, 50745) cannot be retrieved (gai error: "
+        "-2 - Name or service not known).",
+    ),
+    # https://github.com/pytorch/pytorch/issues/159007 (torchrun's banner)
+    (
+        "torchrun-omp-banner",
+        "W0724 18:22:28.488000 40628 site-packages/torch/distributed/run.py:766] Setting "
+        "OMP_NUM_THREADS environment variable for each process to be 1 in default, to "
+        "avoid your system being overloaded, please further tune the variable for "
+        "optimal performance in your application as needed. ",
+    ),
+    (
+        "torchrun-banner-stars",
+        "W0724 18:22:28.488000 40628 site-packages/torch/distributed/run.py:766] "
+        "*****************************************",
+    ),
+    # here
+    (
+        "torchrun-closing-signal",
+        "W1201 21:02:37.578000 9492 .venv/lib/python3.11/site-packages/torch/distributed/"
+        "elastic/multiprocessing/api.py:1028] Sending process 9576 closing signal SIGTERM",
+    ),
+    (
+        "torchrun-death-signal-15",  # here
+        "W1201 21:02:37.577000 9492 .venv/lib/python3.11/site-packages/torch/distributed/"
+        "elastic/agent/server/api.py:753] Received 15 death signal, shutting down workers",
+    ),
+    # https://github.com/pytorch/pytorch/issues/114097
+    (
+        "torchrun-death-signal-sigterm",
+        "W0823 16:54:02.337000 139733055988160 torch/distributed/elastic/agent/server/"
+        "api.py:688] Received Signals.SIGTERM death signal, shutting down workers",
+    ),
+    (
+        "torchrun-signal-exception",  # here
+        "torch.distributed.elastic.multiprocessing.api.SignalException: Process 9492 got "
+        "signal: 15",
+    ),
+    ("training-stop-saved", "rank 1: stop requested; saved step 486"),  # here
+    # https://github.com/pytorch/pytorch/issues/126275
+    (
+        "pg-not-destroyed",
+        "[rank0]:[W515 07:06:42.829549331 ProcessGroupNCCL.cpp:1117] WARNING: process "
+        "group has NOT been destroyed before it is being destructed. On normal program "
+        "exit, the application should call destroy_process_group to ensure that any "
+        "pending NCCL data transfers have finished in this process.",
+    ),
+    # https://github.com/anhvth/opensloth/issues/17
+    (
+        "pg-destroy-not-called",
+        "[rank0]:[W730 15:32:17.841273251 ProcessGroupNCCL.cpp:1479] Warning: WARNING: "
+        "destroy_process_group() was not called before program exit, which can leak "
+        "resources. For more info, please see "
+        "https://pytorch.org/docs/stable/distributed.html#shutdown (function operator())",
+    ),
+]
+
+#: torchrun's own shutdown lines say how the rank was stopped: from outside.
+_SAY_HOW_IT_STOPPED = {
+    "torchrun-death-signal-15",
+    "torchrun-death-signal-sigterm",
+    "torchrun-signal-exception",
+}
+
+
+@pytest.mark.parametrize(("line_id", "line"), BENIGN_LINES, ids=[i for i, _ in BENIGN_LINES])
+def test_a_rank_our_sigterm_stopped_is_never_a_rendezvous_failure(line_id: str, line: str) -> None:
+    got = classify_failure(None, "SIGTERM", line)
+    assert got.failure_class is F.EXTERNAL_TERMINATION, got
+
+
+@pytest.mark.parametrize(("line_id", "line"), BENIGN_LINES, ids=[i for i, _ in BENIGN_LINES])
+def test_a_benign_line_names_no_cause_on_its_own(line_id: str, line: str) -> None:
+    got = classify_failure(None, None, line)
+    want = F.EXTERNAL_TERMINATION if line_id in _SAY_HOW_IT_STOPPED else F.UNKNOWN
+    assert got.failure_class is want, got
+
+
+def test_the_whole_tail_of_a_stopped_rank_is_an_external_termination() -> None:
+    tail = "\n".join(line for _, line in BENIGN_LINES)
+    got = classify_failure(None, 15, tail)
+    assert got.failure_class is F.EXTERNAL_TERMINATION, got
+    assert not any("hostname" in e or "errno: 97" in e for e in got.evidence)
+
+
+@pytest.mark.parametrize(
+    ("cause", "want"),
+    [
+        (
+            "[E socket.cpp:610] [c10d] The client socket has failed to connect to any "
+            "network address of (192.168.1.99, 1234).",
+            F.RENDEZVOUS_FAILURE,
+        ),
+        (
+            "torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError",
+            F.RENDEZVOUS_FAILURE,
+        ),
+        ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", F.CUDA_OOM),
+    ],
+    ids=["c10d-connect-failed", "rdzv-timeout", "cuda-oom"],
+)
+def test_benign_lines_do_not_hide_a_real_cause(cause: str, want: FailureClass) -> None:
+    startup = [line for i, line in BENIGN_LINES if i not in _SAY_HOW_IT_STOPPED]
+    got = classify_failure(1, None, "\n".join([*startup, cause]))
+    assert got.failure_class is want, got
