@@ -2,7 +2,10 @@
 
 This module is the only part of ``orchestrator`` that ``training`` imports (besides the
 torch-free object stores in ``orchestrator.cloud.storage``), so it must stay stdlib-only
-and cheap to import: a rank imports it on every start.
+and cheap to import: a rank imports it on every start. It runs on the node's own
+Python, 3.9 and up (SkyPilot's default images have 3.10): nothing newer than 3.9 at
+run time (``scripts/test`` checks it with vermin, tests/agent/test_node_python.py with
+``ast``), and :class:`StrEnum` comes from here on every side.
 
 Three things live here:
 
@@ -19,12 +22,37 @@ Three things live here:
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import re
+import sys
 from dataclasses import dataclass, field
-from enum import IntEnum, StrEnum
+from enum import IntEnum
 from typing import Any
+
+
+class StrEnum39(str, enum.Enum):
+    """``enum.StrEnum`` of 3.11, for the node Pythons before it (3.9, 3.10): members
+    are str, and ``str()``/``format()`` give the value (a plain ``(str, Enum)`` gives
+    ``CommandType.STOP``, a command type no agent knows). Defined on every Python so a
+    test on this machine's 3.11 can hold it to the real one."""
+
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(self, spec)
+
+    @staticmethod
+    def _generate_next_value_(name: str, start: int, count: int, last: list[Any]) -> str:
+        return name.lower()
+
+
+if sys.version_info >= (3, 11):
+    from enum import StrEnum  # novermin: 3.11+ takes the real one
+else:  # pragma: no cover - node images with Python 3.9/3.10
+    StrEnum = StrEnum39
 
 
 class Env:

@@ -14,7 +14,9 @@ A wheel is built once per (version, digest of the source files) and cached under
 temporary directory renamed into place, so two threads or two replicas sharing a home
 never see half a wheel.
 
-Stdlib only at import: the agent imports :func:`installed_build_id` from here.
+Stdlib only at import, and Python 3.9 at import: the agent imports
+:func:`installed_build_id` from here on the node's own Python. Building and serving
+(``tomllib``, 3.11) is the service's side and imports what it needs where it is used.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -73,6 +74,8 @@ def source_root(package_dir: Path | None = None) -> Path:
         "run the service from a skyresume checkout (pip install -e .), or set "
         "SKYRESUME_AGENT_PACKAGE to a pip spec or wheel URL the nodes can install"
     )
+    import tomllib  # novermin: the service's side (3.11+); a node never builds a wheel
+
     try:
         name = tomllib.loads(pyproject.read_text())["project"]["name"]
     except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError):
@@ -88,6 +91,8 @@ def source_root(package_dir: Path | None = None) -> Path:
 def _wheel_inputs(root: Path) -> list[str]:
     """Top-level paths the wheel is built from, as pyproject.toml's hatch config says
     (so a package added there is digested and copied without a change here)."""
+    import tomllib  # novermin: the service's side (3.11+); a node never builds a wheel
+
     doc = tomllib.loads((root / "pyproject.toml").read_text())
     wheel = doc.get("tool", {}).get("hatch", {}).get("build", {}).get("targets", {})
     wheel = wheel.get("wheel", {})

@@ -69,7 +69,7 @@ def parse_fault(doc: Any) -> FaultRequest:
     kind, token, rank = doc.get("kind"), doc.get("token"), doc.get("rank")
     if kind not in set(FaultKind):
         raise ValueError(f"inject_fault.kind must be one of {sorted(FaultKind)}, got {kind!r}")
-    if isinstance(token, bool) or not isinstance(token, str | int) or str(token) == "":
+    if isinstance(token, bool) or not isinstance(token, (str, int)) or str(token) == "":
         raise ValueError(f"inject_fault.token must be a non-empty string, got {token!r}")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
         raise ValueError(f"inject_fault.rank must be a global rank or null, got {rank!r}")

@@ -25,7 +25,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 from orchestrator.cloud.storage import file_sha256
@@ -82,7 +82,7 @@ def commit_checkpoint(
     manifest = Manifest(
         step=step,
         world_size=world_size,
-        created=datetime.now(UTC).isoformat(),
+        created=datetime.now(timezone.utc).isoformat(),
         files=tuple(sorted(files, key=lambda f: f.path)),
         extra=dict(extra or {}),
     )

@@ -155,7 +155,7 @@ def _finite(x: Any) -> Any:
         return x if math.isfinite(x) else None
     if isinstance(x, dict):
         return {str(k): _finite(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
+    if isinstance(x, (list, tuple)):
         return [_finite(v) for v in x]
     return x
 

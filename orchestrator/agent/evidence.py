@@ -575,7 +575,7 @@ def summarize_fr_dump(doc: dict[str, Any]) -> dict[str, Any]:
                 "op": e.get("profiling_name"),
                 "seq": seq,
                 "p2p_seq": e.get("p2p_seq_id") if e.get("is_p2p") else None,
-                "pg": list(pg) if isinstance(pg, list | tuple) else pg,
+                "pg": list(pg) if isinstance(pg, (list, tuple)) else pg,
                 "state": e.get("state"),
                 "timeout_ms": e.get("timeout_ms"),
                 "input_sizes": e.get("input_sizes"),

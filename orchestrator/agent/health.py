@@ -43,9 +43,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
+
+from orchestrator.contract import StrEnum
 
 #: Environment defaults for the agent's health flags, so a launcher that builds the
 #: agent's argv itself can still set them through the run environment.

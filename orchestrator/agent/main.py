@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -970,7 +970,7 @@ class Agent:
         if kind == CommandType.CHECKPOINT_AND_STOP:
             grace = args.get("grace_s")
             grace = (
-                float(grace) if isinstance(grace, int | float) and grace > 0 else self.cfg.grace_s
+                float(grace) if isinstance(grace, (int, float)) and grace > 0 else self.cfg.grace_s
             )
             what = f"checkpoint_and_stop: {args.get('reason') or 'service'}"
             if args.get("capture_stacks") is True:
@@ -1056,7 +1056,7 @@ class Agent:
         self.notice_at = time.time()
         grace = self.cfg.grace_s
         if notice.deadline is not None:
-            left = (notice.deadline - datetime.now(UTC)).total_seconds()
+            left = (notice.deadline - datetime.now(timezone.utc)).total_seconds()
             grace = max(1.0, min(grace, left))
         what = f"preemption notice: {notice.provider.value} {notice.kind.value}"
         if self.cfg.notice_action == "sigterm":
@@ -1476,11 +1476,11 @@ def json_safe(x: Any) -> Any:
     refuses them), anything unknown becomes its str."""
     if isinstance(x, float):
         return x if math.isfinite(x) else None
-    if x is None or isinstance(x, bool | int | str):
+    if x is None or isinstance(x, (bool, int, str)):
         return x
     if isinstance(x, dict):
         return {str(k): json_safe(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
+    if isinstance(x, (list, tuple)):
         return [json_safe(v) for v in x]
     return str(x)
 

@@ -35,7 +35,7 @@ class RankProgress:
 
 def finite(x: Any) -> float | None:
     """A float the service can store: NaN/Inf (and non-numbers) become None."""
-    if isinstance(x, bool) or not isinstance(x, int | float):
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
         return None
     return float(x) if math.isfinite(x) else None
 

@@ -23,10 +23,11 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from email.utils import parsedate_to_datetime
-from enum import StrEnum
-from typing import Any, Literal
+from typing import Any, Literal, Union
+
+from orchestrator.contract import StrEnum
 
 AWS_ENDPOINT = "http://169.254.169.254"
 GCP_ENDPOINT = "http://metadata.google.internal"
@@ -152,7 +153,7 @@ def _parse_iso(value: Any, what: str) -> datetime:
         dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
         raise _Unreadable(f"{what}: not an ISO 8601 time: {value!r}") from None
-    return dt if dt.tzinfo else dt.replace(tzinfo=UTC)
+    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
 
 
 def _json_object(body: bytes, what: str) -> dict[str, Any]:
@@ -252,7 +253,7 @@ class GcpPoller:
 
     endpoint: str = GCP_ENDPOINT
     timeout: float = 2.0
-    clock: Callable[[], datetime] = lambda: datetime.now(UTC)
+    clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc)
     last_etag: str | None = None
 
     provider = Provider.gcp
@@ -345,7 +346,7 @@ class AzurePoller:
             found.append((deadline, ev))
         if not found:
             return PollResult.none()
-        far = datetime.max.replace(tzinfo=UTC)
+        far = datetime.max.replace(tzinfo=timezone.utc)
         deadline, ev = min(found, key=lambda f: f[0] or far)
         kind = NoticeKind(str(ev["EventType"]).lower())
         return PollResult.of(Notice(Provider.azure, kind, deadline, doc))
@@ -359,7 +360,9 @@ class AzurePoller:
             return PollResult.unknown(f"azure poll failed: {type(e).__name__}: {e}")
 
 
-Poller = AwsPoller | GcpPoller | AzurePoller
+# Union, not |: a type alias is evaluated at import, and the agent imports this on the
+# node's Python (3.9+), where classes have no | (3.10).
+Poller = Union[AwsPoller, GcpPoller, AzurePoller]
 
 DEFAULT_ENDPOINTS = {
     Provider.aws: AWS_ENDPOINT,

@@ -676,7 +676,7 @@ def _stage_one(
     todo = []
     with ThreadPoolExecutor(max_workers=workers) as pool:
         ok = list(pool.map(lambda f: _verified(dest / f.path, f.size, f.sha256), manifest.files))
-    for f, good in zip(manifest.files, ok, strict=True):
+    for f, good in zip(manifest.files, ok):  # map: one result per file, in order
         if good:
             on_bytes(f.size)
         else:
