@@ -1,0 +1,403 @@
+"""SkyPilot's client side of the emulated AWS: its home, catalog, credentials and API server.
+
+Everything lives under the emulator's home, never in the user's ``~/.sky`` or ``~/.aws``:
+SkyPilot's client and its API server run with ``HOME=<emu-home>/sky-home`` (see
+:func:`sky_env`), so ``~/.sky`` (catalog, ``config.yaml``, SSH key, request and cluster
+databases) and ``~/.aws`` (fake credentials) are the emulator's own::
+
+    <emu-home>/sky-home/
+      .sky/config.yaml                     aws: {vpc_name: skypilot-moto, use_internal_ips: true}
+      .sky/catalogs/v8/aws/vms.csv         tests' v8 fixture + tests/awsemu/catalog, zone ids
+                                           checked against moto's own zone mapping
+      .sky/catalogs/v8/aws/images.csv      every skypilot:* image tag -> a moto AMI
+      .sky/catalogs/v8/aws/instance_quota_mapping.csv, common/{accelerators,metadata}.csv
+      .aws/credentials, .aws/config        fake keys, region us-east-1
+    <emu-home>/skyconf.json                the AWS endpoint and the API server's port
+
+Why a HOME and not ``SKY_RUNTIME_DIR``: SkyPilot reads ``~/.sky/config.yaml``, its SSH
+key and AWS's credential chain from ``HOME`` whatever the runtime dir says, and the
+aws CLI that ``sky check`` runs reads ``~/.aws``; one HOME keeps them all in one place.
+
+The API server gets a port of its own (``SKYPILOT_API_SERVER_LOCAL_PORT``, which client
+and server both honour): other SkyPilot servers on this machine, on 46580 or elsewhere,
+are never reused, and ``sky api stop`` only kills the server on this port.
+
+AWS is moto behind part A's fault front: ``AWS_ENDPOINT_URL`` (honoured by boto3 and the
+aws CLI) points there. The VPC ``skypilot-moto`` (10.213.0.0/16) is seeded in every
+emulated region with one private subnet per zone (``MapPublicIpOnLaunch=False``), the
+subnets disjoint across regions, so every instance's private IP is unique on the
+hypervisor's one bridge; 10.213.0.0/24 stays free for the host side of that bridge.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+#: The regions the emulator serves (those of the tests' v8 catalog).
+EMULATED_REGIONS = ("us-east-1", "us-west-2", "eu-west-1")
+VPC_NAME = "skypilot-moto"
+VPC_CIDR = "10.213.0.0/16"
+#: A moto built-in AMI (Ubuntu 16.04, x86_64, EBS) that moto serves in every region.
+#: What it says it holds does not matter: the node's real userland is this host's.
+MOTO_AMI_ID = "ami-785db401"
+#: Fake, and shaped like real keys, so the aws CLI and botocore accept them.
+FAKE_ACCESS_KEY_ID = "AKIAAWSEMU0000000000"
+FAKE_SECRET_ACCESS_KEY = "awsemu/fake/secret/key/never/valid/anywhere00"
+DEFAULT_REGION = "us-east-1"
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+#: The tests' own catalog, which the emulator's is built from.
+BASE_CATALOG = REPO_ROOT / "tests" / "planner" / "catalog" / "v8"
+#: Rows the emulator adds to it: the small CPU instance types the smoke tests launch.
+EXTRA_CATALOG = REPO_ROOT / "tests" / "awsemu" / "catalog"
+
+SKY_HOME = "sky-home"
+STATE_FILE = "skyconf.json"
+CATALOG_VERSION = "v8"  # sky.skylet.constants.CATALOG_SCHEMA_VERSION for 0.14.1
+
+
+class SkyConfError(RuntimeError):
+    """The SkyPilot side of the emulator could not be set up; the message says where."""
+
+
+@dataclass(frozen=True)
+class SkyLayout:
+    """Where the emulator keeps SkyPilot's client files (see the module docstring)."""
+
+    emu_home: Path
+
+    @property
+    def sky_home(self) -> Path:
+        return self.emu_home / SKY_HOME
+
+    @property
+    def catalog_dir(self) -> Path:
+        return self.sky_home / ".sky" / "catalogs" / CATALOG_VERSION
+
+    @property
+    def config_path(self) -> Path:
+        return self.sky_home / ".sky" / "config.yaml"
+
+    @property
+    def state_path(self) -> Path:
+        return self.emu_home / STATE_FILE
+
+
+# --- catalog -------------------------------------------------------------------------
+
+
+def moto_zone_ids(regions: Iterable[str] = EMULATED_REGIONS) -> dict[str, dict[str, str]]:
+    """``{region: {zone id: zone name}}`` as moto's server will report them.
+
+    Read from moto itself (the table its ``DescribeAvailabilityZones`` answers from), so
+    the catalog can never name a zone id moto does not have.
+    """
+    from moto.ec2.models.availability_zones_and_regions import RegionsAndZonesBackend
+
+    zones = RegionsAndZonesBackend.zones
+    out: dict[str, dict[str, str]] = {}
+    for region in regions:
+        if region not in zones:
+            raise SkyConfError(f"moto has no region {region!r}")
+        out[region] = {z.zone_id: z.name for z in zones[region]}
+    return out
+
+
+def _read_rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        return list(reader.fieldnames or []), list(reader)
+
+
+def _write_rows(path: Path, fields: list[str], rows: Iterable[Mapping[str, str]]) -> None:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(buf.getvalue())
+
+
+def build_catalog(dest: Path, regions: Iterable[str] = EMULATED_REGIONS,
+                  ami_id: str = MOTO_AMI_ID, base: Path = BASE_CATALOG,
+                  extra: Path = EXTRA_CATALOG) -> None:
+    """Write SkyPilot's v8 catalog for the emulator into ``dest`` (``.../catalogs/v8``).
+
+    Hand-placed files without a ``.meta`` md5 are used as they are and never
+    re-downloaded (DESIGN.md), so nothing here ever reaches SkyPilot's catalog host.
+    """
+    regions = tuple(regions)
+    zone_ids = moto_zone_ids(regions)
+    for needed in (base / "aws" / "vms.csv", extra / "vms.csv"):
+        if not needed.exists():
+            raise SkyConfError(f"the emulator's catalog is built from {needed}, which is missing")
+    fields, rows = _read_rows(base / "aws" / "vms.csv")
+    extra_fields, extra_rows = _read_rows(extra / "vms.csv")
+    if extra_fields != fields:
+        raise SkyConfError(f"{extra / 'vms.csv'} columns {extra_fields} are not {fields}")
+    vms = []
+    for row in [*rows, *extra_rows]:
+        if row["Region"] not in zone_ids:
+            continue
+        if row["AvailabilityZone"] not in zone_ids[row["Region"]]:
+            raise SkyConfError(
+                f"catalog row {row['InstanceType']} names zone id {row['AvailabilityZone']}, "
+                f"which moto's {row['Region']} lacks (it has {sorted(zone_ids[row['Region']])})"
+            )
+        vms.append(row)
+    _write_rows(dest / "aws" / "vms.csv", fields, vms)
+
+    img_fields, images = _read_rows(base / "aws" / "images.csv")
+    tags = sorted({r["Tag"] for r in images})
+    _write_rows(
+        dest / "aws" / "images.csv", img_fields,
+        [{**next(r for r in images if r["Tag"] == tag), "Region": region, "ImageId": ami_id}
+         for tag in tags for region in regions],
+    )
+    q_fields, quotas = _read_rows(base / "aws" / "instance_quota_mapping.csv")
+    known = {r["InstanceType"] for r in quotas}
+    # Every CPU type shares the standard on-demand/spot quota codes of m6i.
+    m6i = next(r for r in quotas if r["InstanceType"].startswith("m6i."))
+    quotas += [{**m6i, "InstanceType": t} for t in sorted({r["InstanceType"] for r in vms})
+               if t not in known]
+    _write_rows(dest / "aws" / "instance_quota_mapping.csv", q_fields, quotas)
+    for name in ("accelerators.csv", "metadata.csv"):
+        (dest / "common").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(base / "common" / name, dest / "common" / name)
+
+
+# --- client home ---------------------------------------------------------------------
+
+
+def sky_config() -> dict[str, object]:
+    return {
+        "allowed_clouds": ["aws"],
+        # use_internal_ips: moto's public IPs are never routed; every node is reached
+        # on the hypervisor's bridge at its private IP.
+        "aws": {"vpc_name": VPC_NAME, "use_internal_ips": True, "use_ssm": False},
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def write_client_home(emu_home: Path, endpoint: str, api_port: int | None = None) -> SkyLayout:
+    """SkyPilot's config, catalog and fake AWS credentials under ``emu_home``."""
+    layout = SkyLayout(emu_home)
+    build_catalog(layout.catalog_dir)
+    layout.config_path.parent.mkdir(parents=True, exist_ok=True)
+    layout.config_path.write_text(yaml.safe_dump(sky_config(), sort_keys=False))
+    aws = layout.sky_home / ".aws"
+    aws.mkdir(parents=True, exist_ok=True)
+    (aws / "credentials").write_text(
+        "[default]\n"
+        f"aws_access_key_id = {FAKE_ACCESS_KEY_ID}\n"
+        f"aws_secret_access_key = {FAKE_SECRET_ACCESS_KEY}\n"
+    )
+    (aws / "config").write_text(f"[default]\nregion = {DEFAULT_REGION}\n")
+    state = read_state(emu_home) if layout.state_path.exists() else {}
+    port = api_port or int(state.get("api_port") or 0) or free_port()
+    layout.state_path.write_text(
+        json.dumps({"endpoint": endpoint, "api_port": port}, indent=2) + "\n"
+    )
+    return layout
+
+
+def read_state(emu_home: Path) -> dict[str, object]:
+    path = SkyLayout(emu_home).state_path
+    if not path.exists():
+        raise SkyConfError(f"{path} is missing: write_client_home (or prepare) first")
+    data: dict[str, object] = json.loads(path.read_text())
+    return data
+
+
+def api_server_url(emu_home: Path) -> str:
+    return f"http://127.0.0.1:{read_state(emu_home)['api_port']}"
+
+
+def sky_env(emu_home: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment SkyPilot's client, its API server and the service run with.
+
+    The caller's own AWS and SkyPilot settings are dropped: a real ``AWS_PROFILE`` or
+    ``SKYPILOT_API_SERVER_ENDPOINT`` must never steer an emulated launch elsewhere.
+    """
+    base = dict(os.environ if base is None else base)
+    state = read_state(emu_home)
+    layout = SkyLayout(emu_home)
+    env = {k: v for k, v in base.items()
+           if not k.startswith(("AWS_", "SKYPILOT_")) and k != "SKY_RUNTIME_DIR"}
+    port = str(state["api_port"])
+    bindir = str(Path(sys.executable).parent)  # sky, aws and moto live beside this Python
+    path = env.get("PATH", "/usr/bin:/bin")
+    env.update({
+        "HOME": str(layout.sky_home),
+        "PATH": path if path.split(":")[0] == bindir else f"{bindir}:{path}",
+        "AWS_ENDPOINT_URL": str(state["endpoint"]),
+        "AWS_DEFAULT_REGION": DEFAULT_REGION,
+        "AWS_SHARED_CREDENTIALS_FILE": str(layout.sky_home / ".aws" / "credentials"),
+        "AWS_CONFIG_FILE": str(layout.sky_home / ".aws" / "config"),
+        # The aws CLI and boto3 must not wait on an instance-metadata probe here.
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "SKYPILOT_DISABLE_USAGE_COLLECTION": "1",
+        "SKYPILOT_API_SERVER_LOCAL_PORT": port,
+        "SKYPILOT_API_SERVER_ENDPOINT": f"http://127.0.0.1:{port}",
+    })
+    return env
+
+
+# --- moto seeding --------------------------------------------------------------------
+
+
+def subnet_cidr(region_index: int, zone_index: int) -> str:
+    """Disjoint /24s inside 10.213.0.0/16: 16 zones per region, 10.213.0.0/24 kept free."""
+    if not 0 <= zone_index < 16:
+        raise SkyConfError(f"zone index {zone_index} is outside 0..15")
+    return f"10.213.{1 + region_index * 16 + zone_index}.0/24"
+
+
+def seed_vpc(endpoint: str, regions: Iterable[str] = EMULATED_REGIONS) -> dict[str, str]:
+    """Create VPC ``skypilot-moto`` with a private subnet per zone in every region.
+
+    Idempotent: a region that already has the VPC is left as it is. Returns
+    ``{region: vpc id}``.
+    """
+    import boto3
+
+    vpcs: dict[str, str] = {}
+    for r_index, region in enumerate(regions):
+        ec2 = boto3.client(
+            "ec2", region_name=region, endpoint_url=endpoint,
+            aws_access_key_id=FAKE_ACCESS_KEY_ID,
+            aws_secret_access_key=FAKE_SECRET_ACCESS_KEY,
+        )
+        found = ec2.describe_vpcs(Filters=[{"Name": "tag:Name", "Values": [VPC_NAME]}])["Vpcs"]
+        if found:
+            vpcs[region] = found[0]["VpcId"]
+            continue
+        vpc_id = ec2.create_vpc(CidrBlock=VPC_CIDR)["Vpc"]["VpcId"]
+        ec2.create_tags(Resources=[vpc_id], Tags=[{"Key": "Name", "Value": VPC_NAME}])
+        zones = ec2.describe_availability_zones()["AvailabilityZones"]
+        for z_index, zone in enumerate(sorted(zones, key=lambda z: z["ZoneName"])):
+            subnet = ec2.create_subnet(
+                VpcId=vpc_id, CidrBlock=subnet_cidr(r_index, z_index),
+                AvailabilityZone=zone["ZoneName"],
+            )["Subnet"]["SubnetId"]
+            # Private: SkyPilot (use_internal_ips) picks subnets that map no public IP.
+            ec2.modify_subnet_attribute(SubnetId=subnet, MapPublicIpOnLaunch={"Value": False})
+            ec2.create_tags(Resources=[subnet],
+                            Tags=[{"Key": "Name", "Value": f"{VPC_NAME}-{zone['ZoneName']}"}])
+        vpcs[region] = vpc_id
+    return vpcs
+
+
+# --- API server ----------------------------------------------------------------------
+
+
+def _sky(emu_home: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "sky"), *args],
+        env=sky_env(emu_home), capture_output=True, text=True, timeout=timeout,
+        cwd=str(SkyLayout(emu_home).sky_home),
+    )
+
+
+def api_server_healthy(emu_home: Path) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{api_server_url(emu_home)}/api/health", timeout=5) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
+def start_api_server(emu_home: Path, timeout: float = 180) -> str:
+    """``sky api start`` on loopback, with the emulator's environment. Returns its URL.
+
+    SkyPilot daemonizes the server and returns once it answers; it then outlives this
+    process, so :func:`stop_api_server` must be called (``down`` does).
+    """
+    proc = _sky(emu_home, "api", "start", "--host", "127.0.0.1", timeout=timeout)
+    if proc.returncode != 0 or not api_server_healthy(emu_home):
+        raise SkyConfError(
+            f"sky api start failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}"
+        )
+    return api_server_url(emu_home)
+
+
+def stop_api_server(emu_home: Path, timeout: float = 60) -> None:
+    """``sky api stop`` for this emulator's port only (SkyPilot matches the port)."""
+    if not SkyLayout(emu_home).state_path.exists():
+        return
+    proc = _sky(emu_home, "api", "stop", timeout=timeout)
+    if proc.returncode != 0:
+        raise SkyConfError(f"sky api stop failed:\n{(proc.stdout + proc.stderr)[-2000:]}")
+    deadline = time.monotonic() + timeout
+    while api_server_healthy(emu_home):
+        if time.monotonic() > deadline:
+            raise SkyConfError(f"the API server at {api_server_url(emu_home)} is still up")
+        time.sleep(0.5)
+
+
+# --- everything ----------------------------------------------------------------------
+
+
+def prepare(emu_home: Path, endpoint: str, *, runtime: bool = True,
+            cache_root: Path | None = None) -> SkyLayout:
+    """The offline SkyPilot side, short of starting anything: the node template (when
+    ``runtime``), the client home and the state file. Seeding needs moto up (:func:`seed_vpc`)."""
+    if runtime:
+        from orchestrator.awsemu.runtime import prepare_node_template
+
+        prepare_node_template(emu_home, cache_root)
+    return write_client_home(emu_home, endpoint)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m orchestrator.awsemu.skyconf")
+    parser.add_argument("--home", type=Path, required=True)
+    parser.add_argument("--endpoint", required=True, help="the AWS endpoint (front or moto)")
+    parser.add_argument("command", choices=["prepare", "seed", "api-start", "api-stop", "env"])
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "prepare":
+            prepare(args.home, args.endpoint, runtime=False)
+        elif args.command == "seed":
+            print(json.dumps(seed_vpc(args.endpoint)))
+        elif args.command == "api-start":
+            print(start_api_server(args.home))
+        elif args.command == "api-stop":
+            stop_api_server(args.home)
+        else:
+            env = sky_env(args.home)
+            for key in sorted(k for k in env if k.startswith(("AWS_", "SKYPILOT_")) or k == "HOME"):
+                print(f"export {key}={env[key]}")
+    except SkyConfError as exc:
+        print(f"awsemu: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        raise SystemExit(main())
