@@ -74,6 +74,8 @@ class NodeState:
     tokens: dict[str, float] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     version: int = 0
+    aws_meta: dict[str, str] = field(default_factory=dict)
+    """AWS ``/latest/meta-data/<key>`` leaves (instance-id, ...): the node's identity."""
 
 
 class MetadataSimulator:
@@ -176,6 +178,11 @@ class MetadataSimulator:
                 st.azure_called = False
             if revoke_tokens:
                 st.tokens.clear()
+
+    def set_aws_metadata(self, node: str, values: dict[str, str]) -> None:
+        """Serve ``values`` under AWS's ``/latest/meta-data/`` (the node's identity)."""
+        with self._cond:
+            self._nodes.setdefault(node, NodeState()).aws_meta.update(values)
 
     def clear_faults(self, node: str) -> None:
         with self._cond:
@@ -337,6 +344,9 @@ class _Handler(BaseHTTPRequestHandler):
             # A spot notice implies a rebalance recommendation was (or is) out too.
             issued = (n.deadline - timedelta(minutes=2)).strftime("%Y-%m-%dT%H:%M:%SZ")
             return self._json(200, {"noticeTime": issued})
+        leaf = path.removeprefix("/latest/meta-data/")
+        if leaf != path and leaf in st.aws_meta:
+            return self._send(200, st.aws_meta[leaf], {"Content-Type": "text/plain"})
         self._send(404, "Not Found")
 
     def _gcp_value(self, st: NodeState, path: str) -> str | None:
