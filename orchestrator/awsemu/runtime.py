@@ -300,14 +300,19 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m orchestrator.awsemu.runtime",
         description="Prepare the emulated AWS's offline node runtime (needs PyPI once).",
     )
-    parser.add_argument("--home", type=Path, required=True, help="the emulator's home")
+    parser.add_argument("--home", type=Path, default=None,
+                        help="the emulator's home, to link its node-template (default: "
+                             "only fill the build cache)")
     parser.add_argument("--cache", type=Path, default=None,
                         help="build cache (default $SKYRESUME_AWSEMU_CACHE or "
                              "~/.cache/skyresume-awsemu)")
     args = parser.parse_args(argv)
     started = time.monotonic()
     try:
-        link = prepare_node_template(args.home, args.cache)
+        if args.home is None:
+            link = prepare_runtime(args.cache)
+        else:
+            link = prepare_node_template(args.home, args.cache)
     except PrepareError as exc:
         print(f"awsemu-prepare: {exc}", file=sys.stderr)
         return 1
