@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import typer
-from rich.table import Table
+from rich.table import Column, Table
 
 from orchestrator import server
 from orchestrator.commands import cloud, failures, goodput, plan, recovery, tokens
@@ -31,6 +31,7 @@ from orchestrator.commands.common import (
     Client,
     Output,
     OutputOpt,
+    attempt_progress,
     console,
     err_console,
     fail,
@@ -50,7 +51,17 @@ app.add_typer(db_app, name="db")
 
 
 def _job_table(items: list[dict[str, Any]]) -> Table:
-    t = Table("ID", "NAME", "STATUS", "NODES", "RESTARTS", "CREATED", "REASON")
+    # An id is something to copy: never wrapped nor cut, at 80 columns or in a pipe
+    # (rich squeezes every column to fit the width). The reason wraps instead.
+    t = Table(
+        Column("ID", no_wrap=True, min_width=max((len(j["id"]) for j in items), default=2)),
+        Column("NAME", overflow="fold"),
+        Column("STATUS", no_wrap=True),
+        "NODES",
+        "RESTARTS",
+        Column("CREATED", no_wrap=True, min_width=10),
+        Column("REASON", overflow="fold", ratio=1),
+    )
     for j in items:
         t.add_row(
             j["id"],
@@ -81,7 +92,15 @@ def _event_rows(t: Table, items: list[dict[str, Any]]) -> None:
 
 
 def _event_table() -> Table:
-    return Table("ID", "JOB", "AT", "KIND", "CLASS", "WHERE", "MESSAGE")
+    return Table(
+        "ID",
+        Column("JOB", no_wrap=True, min_width=12),
+        "AT",
+        "KIND",
+        "CLASS",
+        "WHERE",
+        Column("MESSAGE", overflow="fold", ratio=1),
+    )
 
 
 @app.command()
@@ -173,6 +192,19 @@ def jobs(
         console.print(f"{shown} of {page['total']}; next page: --offset {shown}")
 
 
+def _now_line(job: dict[str, Any], attempts: dict[str, Any]) -> str:
+    """The job's status now, and what its newest attempt is known to have trained."""
+    line = f"{job['id']} is {job['status']}"
+    if job.get("status_reason"):
+        line += f" ({job['status_reason']})"
+    if attempts["items"]:
+        a = attempts["items"][-1]
+        line += f"; attempt {a['number']} {a['state']}: {attempt_progress(a)}"
+    else:
+        line += "; no attempt launched yet"
+    return line
+
+
 @app.command()
 def show(job_id: str, output: OutputOpt = Output.table) -> None:
     """One job: its spec, status and transition history."""
@@ -181,6 +213,7 @@ def show(job_id: str, output: OutputOpt = Output.table) -> None:
         print_json(job)
         return
     console.print(_job_table([job]))
+    console.print(_now_line(job, Client().request("GET", f"/v1/jobs/{job_id}/attempts")))
     t = Table("AT", "FROM", "TO", "REASON", title="transitions")
     for tr in job["transitions"]:
         t.add_row(

@@ -176,3 +176,22 @@ def incident_table(items: list[dict[str, Any]]) -> Table:
             *("" if secs.get(s.value) is None else f"{secs[s.value]:.1f}" for s in ProtocolStep),
         )
     return t
+
+
+def attempt_progress(attempt: dict[str, Any]) -> str:
+    """What an attempt of ``GET /v1/jobs/{id}/attempts`` is known to have trained, in
+    words: where it resumed and the highest step its ranks reported, or that its ranks
+    sent no progress reports (a plain script), never a bare ``None``."""
+    steps = [r["step"] for n in attempt["nodes"] for r in n["ranks"] if r.get("step") is not None]
+    resumed = attempt.get("validated_step")
+    if resumed is None:
+        resumed = attempt.get("resume_step")
+    start = "from scratch" if resumed is None else f"from step {resumed}"
+    if not steps:
+        ranks = sum(len(n["ranks"]) for n in attempt["nodes"])
+        if not ranks:
+            return f"{start}; no rank has reported yet"
+        return f"{start}; without progress reports"
+    low, high = min(steps), max(steps)
+    span = f"step {high}" if low == high else f"steps {low}-{high}"
+    return f"{start}; ranks at {span}"

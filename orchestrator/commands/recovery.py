@@ -18,6 +18,7 @@ from orchestrator.commands.common import (
     Client,
     Output,
     OutputOpt,
+    attempt_progress,
     console,
     incident_table,
     print_json,
@@ -181,7 +182,7 @@ def register(app: typer.Typer) -> None:
         if output is Output.json:
             print_json(data)
             return
-        t = Table("ATTEMPT", "STATE", "WHERE", "NODES", "RESUMED", "STEPS", "ENDED BECAUSE")
+        t = Table("ATTEMPT", "STATE", "WHERE", "NODES", "TRAINED", "RANK STEPS", "ENDED BECAUSE")
         for a in data["items"]:
             steps = [r.get("step") for n in a["nodes"] for r in n["ranks"]]
             t.add_row(
@@ -189,7 +190,7 @@ def register(app: typer.Typer) -> None:
                 a["state"],
                 f"{a['cloud']}/{a['region']}",
                 str(a["num_nodes"]),
-                "" if a["validated_step"] is None else str(a["validated_step"]),
+                attempt_progress(a),
                 ",".join("-" if s is None else str(s) for s in steps),
                 a.get("end_reason") or "",
             )

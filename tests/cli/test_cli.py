@@ -160,3 +160,85 @@ def test_db_upgrade_on_unreachable_database_is_a_clear_error(tmp_path):
     out = run(env, "db", "upgrade", "--db-url", "postgresql://nobody:secret@127.0.0.1:1/x")
     assert out.returncode == 1 and out.stderr.startswith("error: upgrade of")
     assert "secret" not in out.stderr  # passwords never printed
+
+
+def _db_session(env):  # type: ignore[no-untyped-def]
+    """The serving instance's own SQLite database, written as the reconciler would."""
+    from orchestrator.store.db import make_engine, make_sessionmaker
+
+    engine = make_engine(f"sqlite:///{Path(env['SKYRESUME_HOME']) / 'skyresume.db'}")
+    return engine, make_sessionmaker(engine)
+
+
+def test_jobs_never_cuts_a_job_id_at_80_columns_nor_in_a_pipe(service, tmp_path):
+    long_name = "ddp-tutorial-multinode-snapshot-resume-" * 2
+    ids = []
+    for _ in range(2):
+        out = run(service, "submit", _spec_file(tmp_path, name=long_name[:63]), "-o", "json")
+        ids.append(json.loads(out.stdout)["id"])
+    engine, sm = _db_session(service)
+    from orchestrator.domain.status import JobStatus
+    from orchestrator.store import repo
+
+    with sm.begin() as s:
+        repo.set_status(s, ids[0], JobStatus.PROVISIONING, reason="x " * 120)
+    engine.dispose()
+    for columns in ("80", "60"):
+        piped = run({**service, "COLUMNS": columns}, "jobs")  # captured: a pipe
+        assert piped.returncode == 0, piped.stderr
+        for job_id in ids:
+            assert job_id in piped.stdout, piped.stdout
+        assert max(len(line) for line in piped.stdout.splitlines()) <= int(columns)
+    events = run({**service, "COLUMNS": "80"}, "events")
+    assert events.returncode == 0, events.stderr
+
+
+def _attempt(s, job_id: str, number: int, ranks: list[dict], **kw) -> None:  # type: ignore[no-untyped-def]
+    from datetime import UTC, datetime
+
+    from orchestrator.store.models import Attempt, Node
+
+    s.add(
+        Attempt(
+            job_id=job_id, number=number, cloud="local", region="local", instance_type="cpu",
+            num_nodes=1, spot=True, knobs={}, started_at=datetime.now(UTC),
+            state=kw.pop("state", "running"), launcher="local", **kw,
+        )
+    )  # fmt: skip
+    s.add(
+        Node(
+            job_id=job_id, attempt=number, node_id=f"{job_id}-a{number}-n0", node_rank=0,
+            address="10.0.0.1", state="running", progress={"ranks": ranks},
+            registered_at=datetime.now(UTC),
+        )
+    )  # fmt: skip
+
+
+def test_show_and_attempts_say_what_each_attempt_trained(service, tmp_path):
+    job_id = json.loads(run(service, "submit", _spec_file(tmp_path), "-o", "json").stdout)["id"]
+    assert f"{job_id} is PENDING; no attempt launched yet" in run(service, "show", job_id).stdout
+
+    from orchestrator.domain.status import JobStatus
+    from orchestrator.store import repo
+
+    engine, sm = _db_session(service)
+    with sm.begin() as s:
+        # A plain script: its ranks are found, and never report a step.
+        plain = [{"rank": 0, "local_rank": 0}, {"rank": 1, "local_rank": 1}]
+        _attempt(s, job_id, 1, plain, state="ended", end_reason="node lost")
+        # The relaunch of a training.Run script: resumed at 40, the ranks at 57 and 58.
+        run_ranks = [{"rank": 0, "step": 57}, {"rank": 1, "step": 58}]
+        _attempt(s, job_id, 2, run_ranks, resume_step=40, validated_step=40)
+        repo.set_status(s, job_id, JobStatus.PROVISIONING)
+        repo.set_status(s, job_id, JobStatus.RUNNING, reason="recovered: all ranks at step 40")
+    engine.dispose()
+
+    shown = run({**service, "COLUMNS": "200"}, "show", job_id).stdout
+    assert f"{job_id} is RUNNING (recovered: all ranks at step 40)" in shown
+    assert "attempt 2 running: from step 40; ranks at steps 57-58" in shown
+    assert "None" not in shown
+
+    listed = run({**service, "COLUMNS": "200"}, "attempts", job_id).stdout
+    assert "from scratch; without progress reports" in listed
+    assert "from step 40; ranks at steps 57-58" in listed
+    assert "None" not in listed
