@@ -81,6 +81,11 @@ class Env:
     #: RESUME_FROM then names the staged copy and EXPECTED_STEP its step.
     STAGE_FROM = "SKYRESUME_RUN_STAGE_FROM"
     CHECKPOINT_EVERY = "SKYRESUME_RUN_CHECKPOINT_EVERY"
+    #: A plain script's own checkpoint (``checkpoint.own``): the path (``{node_disk}``
+    #: allowed) and the option the agent appends it with, as ``<arg> <path>``, to the
+    #: command when the path exists on the node.
+    OWN_CHECKPOINT = "SKYRESUME_RUN_OWN_CHECKPOINT"
+    OWN_RESUME_ARG = "SKYRESUME_RUN_OWN_RESUME_ARG"
     #: The service assigns the group when a launch holds only part of it (healthy
     #: nodes kept, replacements launched beside them): this launch's first node rank
     #: (the agent adds SkyPilot's node rank within the launch), the group's node count
@@ -185,6 +190,7 @@ class EventKind(StrEnum):
     CHECKPOINT_CONFIRMED = "checkpoint_confirmed"  # CONFIRM's finding
     CHECKPOINT_INTERVAL = "checkpoint_interval"  # a new interval pushed to the ranks
     CHAOS = "chaos"  # an operator injected a fault
+    PLAIN_SCRIPT = "plain_script"  # the reconciler: the ranks send no progress reports
 
 
 class AttemptState(StrEnum):

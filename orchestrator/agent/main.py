@@ -701,6 +701,8 @@ class Agent:
         self.service_date: hc.ServiceDate | None = None
         self._fr_seen: set[str] = set()
         self.staged: st.StageOutcome | None = None
+        #: What was found of ``checkpoint.own`` before the ranks started (heartbeats).
+        self.own_seen: dict[str, Any] | None = None
 
     # --- stopping: the one place that signals ranks --------------------------------
 
@@ -832,6 +834,10 @@ class Agent:
         rows = []
         for r in list(self.ranks):
             p = self.board.snapshot(r.rank)
+            ticks = None if r.exited else rk.cpu_ticks(r.pid)
+            if ticks is not None and ticks != r.cpu_ticks:
+                r.cpu_ticks, r.cpu_moved_at = ticks, now
+            idle = None if r.exited or r.cpu_moved_at is None else round(now - r.cpu_moved_at, 3)
             rows.append(
                 {
                     "rank": r.rank,
@@ -846,6 +852,7 @@ class Agent:
                     "resumed": p.resumed,
                     "exit_code": r.exit_code if r.exited else None,
                     "signal": r.signal if r.exited else None,
+                    "cpu_idle_s": idle,
                 }
             )
         return rows
@@ -896,6 +903,7 @@ class Agent:
             "ranks": self._rank_rows(),
             "last_checkpoint": self.board.last_checkpoint(),
             "acked_command": self.acked,
+            **({"own_checkpoint": self.own_seen} if self.own_seen else {}),
         }
 
     def _retry_delays(self) -> Iterator[float]:
@@ -1247,9 +1255,18 @@ class Agent:
             # The ranks load what was staged and verified here, and nothing else.
             env.setdefault(Env.RESUME_FROM, self.staged.path)
             env.setdefault(Env.EXPECTED_STEP, str(self.staged.step))
+        command = list(c.command)
+        own, arg = env.get(Env.OWN_CHECKPOINT), env.get(Env.OWN_RESUME_ARG)
+        if own and arg:
+            # A plain script's own checkpoint, passed only where this node has it: the
+            # service's evidence for what the restart resumed from is this report.
+            self.own_seen = {"path": own, "found": os.path.exists(own)}
+            if self.own_seen["found"]:
+                command += [arg, own]
+            log.info("checkpoint.own %s: %s", own, "passed" if command[-1] == own else "absent")
         if c.launcher == "direct":
             self.ranks = rk.start_direct(
-                list(c.command),
+                command,
                 env,
                 nnodes=c.nnodes,
                 node_rank=c.node_rank,
@@ -1261,7 +1278,7 @@ class Agent:
             self.state = "running"
             return
         argv = rk.torchrun_argv(
-            list(c.command),
+            command,
             nnodes=c.nnodes,
             node_rank=c.node_rank,
             nproc=c.nproc_per_node,

@@ -60,6 +60,10 @@ class Rank:
     reported: bool = False
     killed_by_agent: bool = False
     """SIGKILLed by the agent because it outlived the grace period after SIGTERM."""
+    cpu_ticks: int | None = None
+    """utime + stime at the last sample (``cpu_ticks``)."""
+    cpu_moved_at: float | None = None
+    """time.monotonic() of the sample at which ``cpu_ticks`` last grew."""
     log_paths: list[Path] = field(default_factory=list)
 
 
@@ -125,6 +129,21 @@ def parse_proc_stat(raw: str) -> ProcStat | None:
         exit_status = int(fields[49])
     start = int(fields[19]) if len(fields) > 19 else 0
     return ProcStat(int(fields[1]), int(fields[2]), state, start, exit_status)
+
+
+def cpu_ticks(pid: int, proc: str = "/proc") -> int | None:
+    """The CPU time (user + system, clock ticks) a live process has used, from
+    ``/proc/<pid>/stat`` fields 14 and 15; None when it is gone or unreadable. The
+    work a rank that sends no progress reports shows."""
+    try:
+        raw = Path(f"{proc}/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw.rpartition(")")[2].split()
+    try:
+        return int(fields[11]) + int(fields[12])
+    except (IndexError, ValueError):
+        return None
 
 
 def read_environ(pid: int, proc: str = "/proc") -> dict[str, str]:

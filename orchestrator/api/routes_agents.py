@@ -242,6 +242,17 @@ class RankProgress(_Body):
     """What the rank loaded, from its ``resumed`` datagram (validation, protocol step 7)."""
     exit_code: int | None = Field(default=None, ge=-_I32 - 1, le=_I32)
     signal: str | None = Field(default=None, max_length=16)
+    cpu_idle_s: _Float | None = Field(default=None, ge=0)
+    """Seconds since the rank's process last used CPU (None: not measured): the work a
+    script that sends no reports shows."""
+
+
+class OwnCheckpointSeen(_Body):
+    """What the agent found of ``checkpoint.own`` before its ranks started."""
+
+    path: str = Field(max_length=4096)
+    found: bool
+    """The path existed on this node, and ``<resume_arg> <path>`` was appended."""
 
 
 class LastCheckpoint(_Body):
@@ -255,6 +266,7 @@ class HeartbeatIn(_Checked):
     ranks: list[RankProgress] = Field(default_factory=list, max_length=4096)
     last_checkpoint: LastCheckpoint | None = None
     acked_command: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    own_checkpoint: OwnCheckpointSeen | None = None
 
 
 class CommandOut(BaseModel):

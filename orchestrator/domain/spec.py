@@ -149,6 +149,13 @@ class TaskSpec(_Strict):
     skypilot_yaml: str | None = None
     command: str | None = None
     """The training command, run by the node agent under torchrun."""
+    framework: Literal["skyresume", "plain"] = "skyresume"
+    """``skyresume``: the script uses ``training.Run`` (it reports what it resumed from
+    and its steps, saves on SIGTERM and exits 75). ``plain``: it imports nothing of
+    skyresume and runs under the plain-script contract (README): no resume report is
+    waited for, exit 0 is success, a restart passes ``checkpoint.own`` or starts from
+    scratch. Left at ``skyresume``, a script that sends no reports is noticed at run
+    time and put under the same contract (one ``plain_script`` event says so)."""
 
     @field_validator("template")
     @classmethod
@@ -222,6 +229,35 @@ class ModelProfile(_Strict):
         return self
 
 
+class OwnCheckpoint(_Strict):
+    """Where a plain script keeps its own checkpoint (the tutorial's ``snapshot.pt``),
+    and the argument that tells it to resume from there."""
+
+    path: str = Field(min_length=1, max_length=4096)
+    """A file or directory on the node: absolute, or under ``{node_disk}`` (the node's
+    own disk, which survives only on a node the restart keeps), or on storage the nodes
+    share. The service never copies it."""
+    resume_arg: str = Field(min_length=1, max_length=128)
+    """Appended by each node's agent as ``<resume_arg> <path>`` to the command when the
+    path exists on that node (e.g. ``--snapshot_path``); not appended where it does
+    not, so that node's ranks start as the script would without it."""
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        _no_parent_segments(v, "checkpoint.own.path")
+        if not (v.startswith("/") or v.startswith("{node_disk}")):
+            raise ValueError(f"{v[:200]!r}: give an absolute path or one under {{node_disk}}")
+        return v
+
+    @field_validator("resume_arg")
+    @classmethod
+    def _arg(cls, v: str) -> str:
+        if not re.match(r"^-{1,2}[A-Za-z0-9][A-Za-z0-9_\-]*$", v):
+            raise ValueError(f"{v[:80]!r} is not a command-line option (like --snapshot_path)")
+        return v
+
+
 class CheckpointSpec(_Strict):
     uri: str
     """file:///abs/path, s3://bucket/prefix or gs://bucket/prefix."""
@@ -233,6 +269,10 @@ class CheckpointSpec(_Strict):
     """Let the service move ``every_steps`` to Young's interval for the measured save
     time and failure rate while the job runs (pushed to the ranks when it changes by
     20 % or more). Off: ``every_steps`` stays as written."""
+    own: OwnCheckpoint | None = None
+    """A plain script's own checkpoint: a restart resumes from it (``task.framework:
+    plain``, or a script noticed sending no reports). None: such a script restarts
+    from scratch, and the status says so."""
 
     @field_validator("uri")
     @classmethod
@@ -269,6 +309,15 @@ class RestartPolicy(_Strict):
     """The same anomaly at the same step this many times fails the job."""
     skip_after_onset: int = Field(default=10, ge=0, le=INT32_MAX)
     """rollback_skip: steps past the onset whose batches are skipped too."""
+    validate_timeout_s: float | None = Field(default=None, gt=0, le=7 * 86400)
+    """How long an attempt's ranks may take from the nodes being up to each reporting
+    what they resumed from (start-up, staging, loading). None: three times the longest
+    start-up this job measured, at least a floor (the service's default with nothing
+    measured). Past it, ranks still using CPU or making steps are never stopped."""
+    exit_zero_is_success: bool = True
+    """Every rank exiting 0 ends the job SUCCEEDED, in every protocol step. False for a
+    script that exits 0 when SIGTERM stops it: an all-zero exit after the service asked
+    the ranks to stop (an incident's SIGNAL) is then read as stopped, and restarted."""
 
 
 class JobSpec(_Strict):

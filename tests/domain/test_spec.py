@@ -92,3 +92,78 @@ def test_oversized_document_is_refused():
 def test_non_mapping_document_is_refused(doc):
     with pytest.raises(SpecError, match="must be a mapping"):
         parse_job_spec_yaml(doc)
+
+
+# --- the plain-script contract and the start-up timeout (issue 27) -----------------------
+
+_CKPT = {"uri": "file:///c"}
+_TASK = {"template": "t", "command": "python multinode.py 2000 10"}
+PLAIN_BAD = [
+    (
+        "own_relative_path",
+        {"checkpoint": {**_CKPT, "own": {"path": "snapshot.pt", "resume_arg": "--snapshot"}}},
+        "checkpoint.own.path",
+        "absolute path or one under {node_disk}",
+    ),
+    (
+        "own_path_traversal",
+        {"checkpoint": {**_CKPT, "own": {"path": "/a/../etc", "resume_arg": "--snapshot"}}},
+        "checkpoint.own.path",
+        "'..'",
+    ),
+    (
+        "own_arg_not_an_option",
+        {"checkpoint": {**_CKPT, "own": {"path": "/s.pt", "resume_arg": "snapshot; rm -rf"}}},
+        "checkpoint.own.resume_arg",
+        "not a command-line option",
+    ),
+    (
+        "own_without_arg",
+        {"checkpoint": {**_CKPT, "own": {"path": "/s.pt"}}},
+        "checkpoint.own.resume_arg",
+        "Field required",
+    ),
+    (
+        "unknown_framework",
+        {"task": {**_TASK, "framework": "lightning"}},
+        "task.framework",
+        "'plain'",
+    ),
+    (
+        "zero_validate_timeout",
+        {"restarts": {"validate_timeout_s": 0}},
+        "restarts.validate_timeout_s",
+        "greater than 0",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "reason"), [b[1:] for b in PLAIN_BAD], ids=[b[0] for b in PLAIN_BAD]
+)
+def test_a_bad_plain_script_setting_names_its_field(overrides, field, reason):
+    with pytest.raises(SpecError) as info:
+        validate_job_spec(job_spec(**overrides))
+    assert any(loc == field and reason in msg for loc, msg in info.value.errors), info.value.errors
+
+
+def test_a_plain_script_with_its_own_checkpoint_is_accepted():
+    spec = validate_job_spec(
+        job_spec(
+            task={**_TASK, "framework": "plain"},
+            checkpoint={
+                **_CKPT,
+                "own": {"path": "{node_disk}/snapshot.pt", "resume_arg": "--snapshot_path"},
+            },
+            restarts={"validate_timeout_s": 900, "exit_zero_is_success": False},
+        )
+    )
+    assert spec.task.framework == "plain"
+    assert spec.checkpoint.own is not None and spec.checkpoint.own.resume_arg == "--snapshot_path"
+    assert spec.restarts.validate_timeout_s == 900 and not spec.restarts.exit_zero_is_success
+
+
+def test_by_default_a_script_uses_training_run_and_exit_zero_is_success():
+    spec = validate_job_spec(job_spec())
+    assert spec.task.framework == "skyresume" and spec.checkpoint.own is None
+    assert spec.restarts.validate_timeout_s is None and spec.restarts.exit_zero_is_success
