@@ -68,7 +68,7 @@ def goodput(
     for label, key in (
         ("productive", "productive_seconds"),
         ("failure (restart protocol)", "failure_seconds"),
-        ("lost work (steps redone)", "lost_work_seconds"),
+        ("lost work (thrown away)", "lost_work_seconds"),
         ("checkpoint blocking", "checkpoint_seconds"),
         ("idle (queued, no attempt)", "idle_seconds"),
         ("wall", "wall_seconds"),
@@ -98,11 +98,13 @@ def goodput(
     for i in doc["incidents"]:
         where = " ".join(x for x in (i["region"], i["instance_type"]) if x)
         mttr = _duration(i["mttr_seconds"]) + (" (ongoing)" if i["ongoing"] else "")
-        redone = (
-            "?"
-            if i["steps_lost"] is None
-            else f"{i['steps_lost']} steps, {_duration(i['lost_work_seconds'])}"
-        )
+        if i["steps_lost"] is not None:
+            redone = f"{i['steps_lost']} steps, {_duration(i['lost_work_seconds'])}"
+        elif i["lost_work_seconds"]:
+            # A plain script restarted from scratch: no steps to count, its time is gone.
+            redone = f"{_duration(i['lost_work_seconds'])} of training (no step reports)"
+        else:
+            redone = "?"
         t.add_row(
             str(i["id"]),
             i["occurred_at"][5:16].replace("T", " "),

@@ -7,7 +7,10 @@ time spent on useful training. Everything else is one of:
   restart protocol's steps (detect, signal, confirm checkpoint, select replacement,
   launch, stage, validate); its sum per incident is that incident's MTTR;
 * **lost work**: steps that had trained but were redone after resuming from an older
-  checkpoint (``steps_lost * step_seconds``);
+  checkpoint or from scratch (``steps_lost * step_seconds``); for a script that sends
+  no progress reports and restarted from scratch, the failed attempt's training time
+  (``Incident.lost_seconds``: there are no steps to count, and the time is what the
+  restart threw away);
 * **checkpoint time**: what saves blocked training.
 
 Dollar cost uses the plan's price: all GPUs are paid for during each of these. Pure;
@@ -45,10 +48,15 @@ class Incident:
     steps: tuple[StepTiming, ...]
     steps_lost: int
     """Optimizer steps trained before the failure and redone after the resume."""
+    lost_seconds: float | None = None
+    """Training time thrown away where it cannot be counted in steps (a plain script
+    restarted from scratch); when set, it is the incident's lost work."""
 
     def __post_init__(self) -> None:
         if self.steps_lost < 0:
             raise ValueError(f"steps_lost must be >= 0, got {self.steps_lost}")
+        if self.lost_seconds is not None and not self.lost_seconds >= 0:
+            raise ValueError(f"lost_seconds must be >= 0, got {self.lost_seconds}")
         if not self.steps:
             raise ValueError("an incident needs at least its detect step")
 
@@ -163,7 +171,9 @@ def account_goodput(run: JobRun) -> GoodputReport:
         per_step: dict[ProtocolStep, float] = {}
         for s in inc.steps:
             per_step[s.step] = per_step.get(s.step, 0.0) + s.seconds
-        lost = inc.steps_lost * run.step_seconds
+        lost = (
+            inc.lost_seconds if inc.lost_seconds is not None else inc.steps_lost * run.step_seconds
+        )
         costs.append(
             IncidentCost(
                 inc.failure_class,

@@ -28,6 +28,13 @@ Where each figure comes from:
   ``nodes.progress``) minus the recovering attempt's ``resume_step``. Never below 0:
   an emergency save can land after the last heartbeat. Unknown (``None``) until the
   recovering attempt has a resume step;
+* a script that sends **no progress reports** (no rank of the failed attempt reported
+  a step) has no steps to count: when the recovering attempt starts from scratch (no
+  confirmed checkpoint and no ``checkpoint.own`` in the spec), the work thrown away is
+  the failed attempt's training time, from its nodes being up (or the end of the
+  incident it recovered from, whichever is later) to the detection. With
+  ``checkpoint.own`` the script resumes from its own snapshot, which the service
+  cannot see: lost work is unknown (``steps_lost`` None), never 0 said as a fact;
 * **step time**: per attempt, the slowest rank's ``step_time`` in its nodes' last
   heartbeat (synchronous training goes at the slowest rank's pace); the job's is the
   mean over attempts weighted by how long each ran;
@@ -44,7 +51,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
@@ -54,6 +61,7 @@ from sqlalchemy.orm import Session
 from orchestrator.domain.failures import FailureClass
 from orchestrator.domain.goodput import Incident, JobRun, StepTiming, account_goodput
 from orchestrator.domain.protocol import ORDER, ProtocolStep, StepOutcome
+from orchestrator.domain.spec import JobSpec
 from orchestrator.domain.status import JobStatus
 from orchestrator.store import repo
 from orchestrator.store.models import Attempt, FailureEvent, Node
@@ -259,6 +267,22 @@ def _placement(
     return failed, recovering
 
 
+def _training_start(
+    a: Attempt, incident_end: dict[int, float], t: Callable[[datetime | None], float]
+) -> float:
+    """When attempt ``a`` could start training, in the report's seconds: its nodes up
+    (the launcher's ``up_at``), and not before the incident it recovers from ended."""
+    up = _as_str((a.handle or {}).get("up_at"))
+    start = t(datetime.fromisoformat(up)) if up else t(a.started_at)
+    if a.incident_id is not None and a.incident_id in incident_end:
+        start = max(start, incident_end[a.incident_id])
+    return start
+
+
+def _as_str(x: object) -> str | None:
+    return x if isinstance(x, str) and x else None
+
+
 def job_wall_span(session: Session, job_id: str, now: datetime) -> tuple[datetime, datetime, bool]:
     """(submitted, ended or now, live) for one job."""
     job = repo.get_job(session, job_id)
@@ -330,6 +354,9 @@ def job_goodput(session: Session, job_id: str, *, now: datetime | None = None) -
         for e in session.scalars(select(FailureEvent).where(FailureEvent.id.in_(cause_ids or [-1])))
     }
 
+    # A plain script resumes from its own snapshot only when the spec says where it is.
+    own_checkpoint = JobSpec.model_validate(job.spec).checkpoint.own is not None
+    incident_end: dict[int, float] = {}
     incidents: list[Incident] = []
     gathered: list[_Gathered] = []
     for incident_id in sorted(by_incident, key=lambda i: (by_incident[i][0].started_at, i)):
@@ -379,7 +406,16 @@ def job_goodput(session: Session, job_id: str, *, now: datetime | None = None) -
             cls = FailureClass(ev.failure_class or "unknown")
         except ValueError:
             cls = FailureClass.UNKNOWN
-        incidents.append(Incident(cls, tuple(timings), steps_lost or 0))
+        detected = min(x.started for x in timings)
+        incident_end[ev.id] = max(x.ended for x in timings)
+        lost_s = None
+        if last_step is None and failed is not None and resumer is not None:
+            if resume_step == 0 and not own_checkpoint:
+                # No step reports, restarted from scratch: all it trained is gone.
+                lost_s = max(0.0, detected - _training_start(failed, incident_end, t))
+            else:
+                resume_step = steps_lost = None  # resumed from what it saved: unknown
+        incidents.append(Incident(cls, tuple(timings), steps_lost or 0, lost_s))
         gathered.append(
             _Gathered(
                 ev,

@@ -70,9 +70,17 @@ def job_doc(name: str = "gpt-7b", **overrides: Any) -> dict[str, Any]:
 
 
 class JobHistory:
-    def __init__(self, session: Session, name: str = "gpt-7b", *, submitted: float = 0.0):
+    def __init__(
+        self,
+        session: Session,
+        name: str = "gpt-7b",
+        *,
+        submitted: float = 0.0,
+        **spec: Any,
+    ):
         self.s = session
-        self.job = repo.create_job(session, validate_job_spec(job_doc(name)), now=at(submitted))
+        doc = job_doc(name, **spec)
+        self.job = repo.create_job(session, validate_job_spec(doc), now=at(submitted))
         self.id = self.job.id
         self._events = 0
 
@@ -99,7 +107,9 @@ class JobHistory:
         end_reason: str | None = None,
         step_time: float | None = 1.9,
         last_step: int | None = None,
+        up: float | None = None,
     ) -> Attempt:
+        """``up``: when the launcher found every node up (the handle's ``up_at``)."""
         a = Attempt(
             job_id=self.id,
             number=number,
@@ -119,6 +129,7 @@ class JobHistory:
             state="ended" if end is not None else "running",
             validated_step=validated_step,
             incident_id=incident_id,
+            handle={"up_at": at(up).isoformat()} if up is not None else None,
         )
         self.s.add(a)
         for rank_node in range(nodes):
@@ -280,4 +291,24 @@ def two_incident_job(session: Session, name: str = "gpt-7b") -> JobHistory:
     )
     h.status(JobStatus.RUNNING, steps_end(10_800, LOST_STEPS))
     h.status(JobStatus.SUCCEEDED, 18_000, "max steps reached")
+    return h
+
+
+def plain_script_job(session: Session, name: str = "ddp-tutorial", **spec: Any) -> JobHistory:
+    """The tutorial's plain script (no progress reports): submitted at 0, up at 120 s,
+    a node lost at 1,320 s (20 minutes of training), relaunched from scratch (or, with
+    ``checkpoint.own`` in ``spec``, from its own snapshot); done at 3,600 s."""
+    h = JobHistory(session, name, **spec)
+    h.status(JobStatus.PROVISIONING, 30)
+    h.attempt(1, 60, 1340, up=120, step_time=None, end_reason="node lost")
+    h.status(JobStatus.RUNNING, 130)
+    lost = h.incident(1320, "node_lost", LOST_STEPS, last_step=None, attempt=1)
+    h.status(JobStatus.RECOVERING, 1320, "node lost")
+    relaunch = steps_end(1320, LOST_STEPS[:4])
+    h.attempt(
+        2, relaunch, 3600, up=steps_end(1320, LOST_STEPS[:6]), step_time=None,
+        resume_step=0, incident_id=lost.id, end_reason="every rank exited 0",
+    )  # fmt: skip
+    h.status(JobStatus.RUNNING, steps_end(1320, LOST_STEPS))
+    h.status(JobStatus.SUCCEEDED, 3600)
     return h

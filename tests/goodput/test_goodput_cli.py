@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from goodput_history import JobHistory, two_incident_job
+from goodput_history import JobHistory, plain_script_job, two_incident_job
 
 from orchestrator.store.db import make_engine, make_sessionmaker
 
@@ -59,8 +59,9 @@ def service(tmp_path_factory: pytest.TempPathFactory):
     with make_sessionmaker(engine)() as s:
         busy = two_incident_job(s, "gpt-7b-spot")
         quiet = JobHistory(s, "never-failed")
+        plain = plain_script_job(s)
         s.commit()
-        ids = {"busy": busy.id, "quiet": quiet.id}
+        ids = {"busy": busy.id, "quiet": quiet.id, "plain": plain.id}
     engine.dispose()
     yield env, ids
     proc.terminate()
@@ -96,6 +97,15 @@ def test_table_shows_the_split_and_each_incidents_protocol_steps(service):
         assert text in out.stdout
     assert "5.2m" in out.stdout  # the 310 s launch of the notice-driven recovery
     assert "63 steps, 2.0m" in out.stdout  # redone after the node loss
+
+
+def test_a_plain_scripts_lost_training_time_is_shown_not_zero(service):
+    env, ids = service
+    out = run(env, "goodput", ids["plain"])
+    assert out.returncode == 0, out.stderr
+    assert "20.0m of training (no step reports)" in out.stdout
+    assert "lost work (thrown away)" in out.stdout
+    assert "0.0s      0.0%" not in out.stdout.split("lost work")[1].splitlines()[0]
 
 
 def test_job_without_incidents_says_so(service):
