@@ -67,6 +67,10 @@ class EmulatorState:
     started_at: float = field(default_factory=time.time)
 
 
+def _log(msg: str) -> None:
+    print(msg, flush=True)  # `up` runs under a pipe or a file: a line must show at once
+
+
 def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -84,9 +88,12 @@ def read_state(home: Path) -> EmulatorState:
 def _start_moto(home: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     log = open(home / "moto.log", "ab")  # noqa: SIM115 (moto's lifetime, not this block's)
+    # AWS-managed policies (AmazonEC2FullAccess, ...) exist in every real account;
+    # moto loads them only when asked, and SkyPilot's bootstrap attaches one by ARN.
+    env = {**os.environ, "MOTO_IAM_LOAD_MANAGED_POLICIES": "true"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+        stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, env=env,
     )  # fmt: skip
     log.close()
     url = f"http://127.0.0.1:{port}"
@@ -115,7 +122,7 @@ class Emulator:
         bridge: str = DEFAULT_BRIDGE,
         cidr: str = DEFAULT_CIDR,
         interval_s: float = 0.5,
-        log: Any = print,
+        log: Any = _log,
     ) -> None:
         self.home = Path(home).resolve()
         self.regions = tuple(regions)
@@ -298,7 +305,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def down(home: Path, *, log: Any = print) -> None:
+def down(home: Path, *, log: Any = _log) -> None:
     """Stop the emulator on ``home`` and remove what it made, even after a crash."""
     home = Path(home).resolve()
     path = home / STATE_FILE

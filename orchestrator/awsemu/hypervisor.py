@@ -40,7 +40,7 @@ class Hypervisor:
     pool: HostPool
     identity: Identity | None = None
     interval_s: float = 0.5
-    log: Callable[[str], None] = print
+    log: Callable[[str], None] = lambda m: print(m, flush=True)
     events: list[tuple[float, str, str]] = field(default_factory=list)
     """(time, instance id, what happened): started, stopped, terminated, restarted."""
     _stop: threading.Event = field(default_factory=threading.Event)
