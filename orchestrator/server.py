@@ -193,9 +193,13 @@ def make_launcher(
 
     if settings.launcher == "local":
         return _local_launcher(settings, token, cleanup, wheels)
-    from orchestrator.launchers.skypilot import SkyPilotLauncher
+    from orchestrator.launchers.skypilot import SkyPilotLauncher, sky_client_environment
     from orchestrator.package import agent_package_spec
     from orchestrator.settings import require_routable
+
+    # No telemetry, and never a local API server started by an SDK call (its request
+    # database would be new: every request id the store holds, lost).
+    sky_client_environment()
 
     # Its nodes are other hosts: a loopback or bind-all URL would have every agent talk
     # to itself (Settings refuses that too; a model_copy such as bind_settings' skips it).

@@ -91,6 +91,11 @@ class Settings(BaseSettings):
     """What nodes ``pip install`` as the agent: a pip spec or a wheel URL the operator
     chose. Empty: this service's own wheel, ``<public URL>/v1/agent/dist/<wheel>``
     pinned by its sha256 (orchestrator/package.py builds it from this source tree)."""
+    skypilot_image_id: str = ""
+    """The node image for SkyPilot tasks whose resources name none (``ami-...``, a GCP
+    image path, or ``docker:<image>``): it needs Python 3.9+ and torch. Empty: a task
+    must name its own image or install torch in its setup, else it is refused
+    (SkyPilot's default images have no torch)."""
     pip_args: str = ""
     """Extra arguments for that ``pip install`` on the node, split on whitespace
     (``--no-index`` for nodes without internet: the service's wheel needs none)."""

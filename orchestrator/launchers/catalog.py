@@ -269,6 +269,9 @@ class TaskDemand:
     options: tuple[tuple[str, tuple[str, ...], tuple[str, ...], int], ...]
     """One (accelerator, clouds, regions, preference) per resource option: ``ordered``
     options keep their order as preference, ``any_of`` options are all preference 0."""
+    pins: tuple[tuple[str | None, str | None], ...] = ()
+    """Per option (same order as ``options``): the (instance type, zone) it names, if
+    any: an option pinned to ``p4de.24xlarge`` or ``us-east-1a`` offers only that."""
 
 
 def demand_from_task(task: Any) -> TaskDemand:
@@ -276,6 +279,7 @@ def demand_from_task(task: Any) -> TaskDemand:
     option per resource (an ``any_of`` or ``ordered`` entry, each with its infra)."""
     accels: list[str] = []
     options: list[tuple[str, tuple[str, ...], tuple[str, ...], int]] = []
+    pins: list[tuple[str | None, str | None]] = []
     spots: set[bool] = set()
     ordered = isinstance(task.resources, list)
     for i, r in enumerate(task.resources):
@@ -290,12 +294,14 @@ def demand_from_task(task: Any) -> TaskDemand:
             if entry not in accels:
                 accels.append(entry)
             options.append((entry, clouds, regions, i if ordered else 0))
+            pins.append((r.instance_type, r.zone))
         spots.add(bool(r.use_spot))
     return TaskDemand(
         accelerators=tuple(accels),
         spot=spots == {True},
         num_nodes=int(task.num_nodes),
         options=tuple(options),
+        pins=tuple(pins),
     )
 
 
@@ -309,11 +315,20 @@ def gather_for_task(demand: TaskDemand, *, clouds: Sequence[str] = ()) -> list[C
         )
     allowed = {c.lower() for c in clouds}
     out: dict[tuple[str, str, str], Candidate] = {}
-    for accel, opt_clouds, opt_regions, pref in demand.options:
+    pins = demand.pins or ((None, None),) * len(demand.options)
+    for (accel, opt_clouds, opt_regions, pref), (itype, zone) in zip(
+        demand.options, pins, strict=True
+    ):
         use = [c for c in opt_clouds if not allowed or c in allowed] if opt_clouds else clouds
         if opt_clouds and not use:
             continue
         for c in gather_candidates([accel], clouds=use, regions=opt_regions):
+            if itype is not None and c.instance_type != itype:
+                continue  # the option names its instance type: only that one
+            if zone is not None:
+                if zone[:1].isalpha() and not zone.startswith(c.region):
+                    continue  # a zone of another region (Azure's "1", "2" name none)
+                c = replace(c, zone=zone)  # and its zone: the placement carries it
             key = (c.cloud, c.region, c.instance_type)
             if key not in out or out[key].preference > pref:
                 out[key] = replace(c, preference=pref)
