@@ -6,9 +6,11 @@ and SkyPilot from PyPI. Emulated instances have no internet, so each of those ch
 must find its thing already there. This module builds, once per set of versions, a
 template home that does exactly that, and a wheel cache for what is installed anyway.
 
-Layout of ``<emu-home>/node-template/`` (a symlink into the build cache; part A's
-hypervisor gives each instance its own copy of it as ``/home/ubuntu``, see
-:func:`materialize_home`):
+Layout of ``<emu-home>/node-template/`` (a symlink into the build cache). Each
+instance's ``/home/ubuntu`` is an overlay with this template as its lower layer
+(``hosts.py``), which ``up`` hands to user ``ubuntu`` once: overlayfs checks a write
+against the lower file's owner. :func:`materialize_home` makes a plain copy instead
+(the tests use it):
 
 ``.local/bin/uv``
     uv, taken from the ``uv`` wheel on PyPI. ``SKY_UV_INSTALL_CMD`` runs
@@ -40,10 +42,10 @@ hypervisor gives each instance its own copy of it as ``/home/ubuntu``, see
 ``.skyresume-awsemu/manifest.json``
     The versions, the cache key and the build's duration and size.
 
-Why a template copied per instance, not one shared home: SkyPilot's setup writes into
-it (``~/.sky``, the reinstalled skypilot wheel, ``ray_patches`` editing Ray's files in
-place), so each instance needs files of its own, owned by ``ubuntu``. A hard-linked copy
-(``cp -al``) would let one node's edits, and its ``chown``, reach the template.
+Why an overlay or a copy per instance, never one shared home: SkyPilot's setup writes
+into it (``~/.sky``, the reinstalled skypilot wheel, ``ray_patches`` editing Ray's files
+in place), so each instance needs files of its own. A hard-linked copy (``cp -al``)
+would let one node's edits, and its ``chown``, reach the template.
 
 The build needs PyPI (``pip wheel`` resolves with the host's pip settings); the venvs
 are then installed from the wheel directory with uv ``--offline --no-index``, which
