@@ -15,7 +15,7 @@ from orchestrator.contract import AttemptState, CommandType, FaultKind
 from orchestrator.domain.spec import INT32_MAX, refuse_unstorable
 from orchestrator.domain.status import JobStatus
 from orchestrator.launchers.base import ChaosLauncher, LaunchError
-from orchestrator.store import repo
+from orchestrator.store import records, repo
 from orchestrator.store.incidents import incidents
 from orchestrator.store.models import Attempt, Node, NodeCommand
 
@@ -63,7 +63,8 @@ def list_attempts(job_id: str, session: SessionDep) -> dict[str, Any]:
                     for k in ("micro_batch", "grad_accum", "activation_checkpoint_every")
                     if k in (a.knobs or {})
                 },
-                "in_place": bool((a.knobs or {}).get("in_place")),
+                "in_place": records.restarted_in_place(a),
+                "launch_verb": str(records.launched_verb(a)),
                 "exclude_hosts": list((a.knobs or {}).get("exclude_hosts") or []),
                 "nodes": [
                     {

@@ -131,6 +131,26 @@ class LauncherAbilities:
     the missing ones, ranks and rendezvous its own (SkyPilot's provisioner does)."""
 
 
+class LaunchVerb(StrEnum):
+    """How an attempt gets its nodes: decided by SELECT (from the failure's class, the
+    survivors and the launcher's abilities), recorded with the attempt, carried out by
+    LAUNCH as decided. After one failed request of a verb other than a fresh launch,
+    the next try is a fresh launch on a new cluster (:func:`launch_verb`)::
+
+        R1 (transport error) -> R2 restart_in_place (ok)
+        R1 (preempted) -> R2 refill (refused: the cluster is not INIT with fewer nodes)
+          -> R2 fresh launch (ok)
+        R1 (preempted) -> R2 refill (StopFailoverError: capacity) -> R2 fresh launch in
+          another region (ok)
+    """
+
+    LAUNCH = "launch"  # new nodes for the whole group (a new cluster)
+    RESTART_IN_PLACE = "restart_in_place"  # every node of the last attempt, restarted
+    JOIN_SURVIVORS = "join_survivors"  # the kept nodes restart; replacements launch beside
+    REFILL = "refill"  # launched onto the last attempt's cluster: the cloud keeps its
+    #                    running nodes and provisions the missing ones
+
+
 @dataclass(frozen=True)
 class RankView:
     rank: int
@@ -177,6 +197,9 @@ class LaunchFailure:
     message: str = ""
     retryable: bool = True
     """False when the task itself was refused: trying it again cannot help."""
+    verb: LaunchVerb = LaunchVerb.LAUNCH
+    """The verb of the request that failed (a refill or a restart in place falls back to
+    a fresh launch after one failure)."""
 
 
 class LaunchPhase(StrEnum):
@@ -242,6 +265,13 @@ class AttemptView:
     """The launch request's progress, read while launched and not up."""
     staged: tuple[StagedView, ...] = ()
     """The nodes' staging reports for this attempt."""
+    verb: LaunchVerb = LaunchVerb.LAUNCH
+    """How SELECT said the attempt gets its nodes (recorded with it)."""
+    keep: tuple[str, ...] = ()
+    """The failed attempt's nodes this one keeps (a refill or a join)."""
+    launches: int = 1
+    """How many launches the attempt runs on (kept nodes and their replacements are
+    two): a restart in place of several restarts them as one group."""
 
     @property
     def provisioning(self) -> bool:
@@ -280,13 +310,48 @@ class Failure:
 
 
 @dataclass(frozen=True)
+class ConfirmedCheckpoint:
+    """CONFIRM's result: the checkpoint the relaunch resumes from."""
+
+    step: int | None
+    """None: no usable checkpoint, a fresh start."""
+    uri: str | None = None
+    """The step directory (``s3://``, ``gs://``, ``file://``) the new nodes stage."""
+    poisoned: dict[int, str] = field(default_factory=dict)
+    """step -> manifest digest of checkpoints a rollback went past (never resumed)."""
+
+
+@dataclass(frozen=True)
+class Selection:
+    """SELECT's result: what the relaunch runs on and how it gets its nodes."""
+
+    remedy: RecoveryAction
+    placement: Placement
+    verb: LaunchVerb
+    exclude_hosts: tuple[str, ...] = ()
+    """Every host this job must never be placed on again."""
+    keep: tuple[str, ...] = ()
+    """The failed attempt's nodes that stay (a refill or a join), in node-rank order."""
+    keep_hosts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ResumeValidated:
+    """VALIDATE's result when every rank's resume report agreed (a measured start-up)."""
+
+    resumed_step: int
+
+
+#: What a protocol step hands the steps after it (the store round-trips each).
+StepResult = ConfirmedCheckpoint | Selection | ResumeValidated
+
+
+@dataclass(frozen=True)
 class StepView:
     started_at: datetime
     finished_at: datetime | None = None
     outcome: StepOutcome | None = None
     detail: str = ""
-    result: dict[str, Any] = field(default_factory=dict)
-    """What the step decided, for the steps after it (confirmed checkpoint, placement)."""
 
 
 @dataclass(frozen=True)
@@ -301,13 +366,13 @@ class IncidentView:
     host: str | None = None
     signature: str | None = None
     onset_step: int | None = None
+    confirmed: ConfirmedCheckpoint | None = None
+    """CONFIRM's result, once it finished."""
+    selection: Selection | None = None
+    """SELECT's result, once it finished."""
 
     def outcomes(self) -> dict[ProtocolStep, StepOutcome | None]:
         return {k: v.outcome for k, v in self.steps.items()}
-
-    def result(self, step: ProtocolStep) -> dict[str, Any]:
-        view = self.steps.get(step)
-        return dict(view.result) if view is not None else {}
 
 
 @dataclass(frozen=True)
@@ -400,8 +465,8 @@ class RecordAttempt:
     """None: whatever the ranks find (first launch); 0: fresh; N: that step only."""
     resume_from: str
     """``latest`` | ``none`` | a step directory path (``{node_disk}`` allowed) or URI."""
-    in_place: bool = False
-    """Start on the previous attempt's nodes instead of provisioning new ones."""
+    verb: LaunchVerb = LaunchVerb.LAUNCH
+    """How the attempt gets its nodes (SELECT's decision)."""
     exclude_hosts: tuple[str, ...] = ()
     skip_steps: tuple[int, int] | None = None
     """rollback_skip: the ranks skip the batches of these steps (inclusive)."""
@@ -423,6 +488,11 @@ class StartNodes:
 
     number: int
     incident_id: int | None = None
+    verb: LaunchVerb = LaunchVerb.LAUNCH
+    """How: ``decide`` says, the reconciler carries it out (never picks one itself)."""
+    launch_try: int = 0
+    """The attempt's failed requests so far: the request's key (job, attempt, try), so a
+    failed request is never adopted again."""
 
 
 @dataclass(frozen=True)
@@ -441,6 +511,8 @@ class LaunchRequestFailed:
     number: int
     detail: str
     capacity: bool
+    verb: LaunchVerb = LaunchVerb.LAUNCH
+    """The verb of the request that failed."""
 
 
 @dataclass(frozen=True)
@@ -486,7 +558,7 @@ class FinishStep:
     step: ProtocolStep
     outcome: StepOutcome
     detail: str
-    result: dict[str, Any] | None = None
+    result: StepResult | None = None
 
 
 @dataclass(frozen=True)
@@ -955,7 +1027,7 @@ def _confirm(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
     # A rollback past an anomaly: what it skipped was saved from the diverged state,
     # and no later incident may resume from it.
     poisoned = (
-        {str(c): listing.digests.get(c, "") for c in usable if c >= inc.onset_step}
+        {c: listing.digests.get(c, "") for c in usable if c >= inc.onset_step}
         if inc.failure_class in rm.ANOMALIES and inc.onset_step is not None
         else {}
     )
@@ -978,7 +1050,7 @@ def _confirm(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
             step,
             StepOutcome.OK,
             text,
-            {"step": choice.step, "uri": uri, **({"poisoned": poisoned} if poisoned else {})},
+            ConfirmedCheckpoint(choice.step, uri, poisoned),
         ),
         # Only now, with the checkpoint confirmed, are the old nodes released (all of
         # them, or the lost ones when the healthy ones stay for the relaunch).
@@ -1029,19 +1101,34 @@ def _select(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
         exclude_hosts.add(inc.host)
         notes.append(f"host {inc.host} excluded for good ({inc.failure_class})")
     kept = survivors(s, a, inc) if not in_place and failed is not None else ()
+    verb = LaunchVerb.LAUNCH
     if in_place:
         assert failed is not None
         placement = rm.same_placement(failed, knobs)
         where = f"restart in place on the same {failed.num_nodes} nodes"
+        verb = LaunchVerb.RESTART_IN_PLACE
+        if a.launches > 1:
+            # A group across launches restarts as one: every node kept, in rank order,
+            # each launch restarted where it is (nothing new is provisioned).
+            kept = tuple(n.node_id for n in sorted(a.nodes, key=lambda n: n.node_rank))
+            verb = LaunchVerb.JOIN_SURVIVORS
     elif kept:
         assert failed is not None
         # The replacement joins the survivors: one group, so the same network (cloud,
         # region, instance type); a host blamed for the fault is excluded above.
         placement = rm.same_placement(failed, knobs)
+        # One cluster the cloud refills keeps its running nodes itself; otherwise the
+        # kept ones restart and the replacements are a launch of their own.
+        verb = (
+            LaunchVerb.REFILL
+            if s.abilities.refills_clusters and a.launches == 1
+            else LaunchVerb.JOIN_SURVIVORS
+        )
         where = (
             f"keep the {len(kept)} healthy node{'s' if len(kept) > 1 else ''} "
             f"({', '.join(kept)}); replace {failed.num_nodes - len(kept)} beside them in "
             f"{failed.cloud}/{failed.region}"
+            + (" (a refill of its cluster)" if verb is LaunchVerb.REFILL else "")
         )
     elif action in SAME_HARDWARE and failed is not None:
         placement = rm.same_placement(failed, knobs)
@@ -1069,14 +1156,14 @@ def _select(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
             f"{placement.gpu_memory_gib:g} GiB"
         )
     text = "; ".join([f"{action}: {where}", *notes])
-    result = {
-        "remedy": str(action),
-        "placement": placement.to_dict(),
-        "in_place": in_place,
-        "exclude_hosts": sorted(exclude_hosts),
-        "keep": list(kept),
-        "keep_hosts": [a.host_of(n) or "" for n in kept],
-    }
+    result = Selection(
+        remedy=action,
+        placement=placement,
+        verb=verb,
+        exclude_hosts=tuple(sorted(exclude_hosts)),
+        keep=kept,
+        keep_hosts=tuple(a.host_of(n) or "" for n in kept),
+    )
     return [FinishStep(i, step, StepOutcome.OK, text, result)]
 
 
@@ -1084,9 +1171,9 @@ def _stage(s: JobSnapshot, a: AttemptView, inc: IncidentView, cfg: ReconcileConf
     """The new nodes stage the confirmed checkpoint themselves, before torchrun
     starts (the same code on every launcher): the step ends when every node said."""
     i, step = inc.event_id, _P.STAGE
-    confirmed = inc.result(_P.CONFIRM_CHECKPOINT)
-    want = confirmed.get("step")
-    if want is None:
+    confirmed = inc.confirmed
+    want = confirmed.step if confirmed is not None else None
+    if confirmed is None or want is None:
         return [FinishStep(i, step, StepOutcome.SKIPPED, "fresh start: nothing to stage")]
     if a.number <= inc.attempt:
         return []  # the relaunch is not gathered yet
@@ -1107,7 +1194,7 @@ def _stage(s: JobSnapshot, a: AttemptView, inc: IncidentView, cfg: ReconcileConf
                 step,
                 StepOutcome.OK,
                 f"step_{want} staged and verified (sha256) by each of {len(reports)} nodes "
-                f"from {confirmed.get('uri')}: {total} bytes copied, slowest node "
+                f"from {confirmed.uri}: {total} bytes copied, slowest node "
                 f"{slowest:.2f} s",
             )
         ]
@@ -1126,10 +1213,11 @@ def _stage(s: JobSnapshot, a: AttemptView, inc: IncidentView, cfg: ReconcileConf
 
 
 def _record_relaunch(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
-    confirmed = inc.result(_P.CONFIRM_CHECKPOINT)
-    selected = inc.result(_P.SELECT_REPLACEMENT)
-    placement = Placement.from_dict(selected["placement"])
-    want, uri = confirmed.get("step"), confirmed.get("uri")
+    confirmed, selected = inc.confirmed, inc.selection
+    if selected is None:  # LAUNCH follows a SELECT that finished OK: its result is stored
+        return [*_fail(a, f"incident {inc.event_id}: SELECT's result is missing")]
+    placement = selected.placement
+    want, uri = (confirmed.step, confirmed.uri) if confirmed is not None else (None, None)
     stage_from = None
     if want is None or uri is None:
         resume_step, resume_from = 0, "none"
@@ -1153,15 +1241,15 @@ def _record_relaunch(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[
             placement,
             resume_step,
             resume_from,
-            in_place=bool(selected.get("in_place")),
-            exclude_hosts=tuple(selected.get("exclude_hosts") or ()),
+            verb=selected.verb,
+            exclude_hosts=selected.exclude_hosts,
             skip_steps=skip,
             collective_timeout_s=collective_timeout_s(
                 max(times) if times else None, s.blocking_save_s
             ),
             stage_from=stage_from,
-            keep=tuple(selected.get("keep") or ()),
-            keep_hosts=tuple(selected.get("keep_hosts") or ()),
+            keep=selected.keep,
+            keep_hosts=selected.keep_hosts,
         ),
     ]
 
@@ -1182,6 +1270,16 @@ def _launch(
         return _provisioning(s, a, inc)
     p = a.placement
     last = a.launch_failures[-1] if a.launch_failures else None
+    verb = launch_verb(a)
+    start = StartNodes(a.number, i, verb, len(a.launch_failures))
+    # A refill, restart or join that failed falls back to a fresh launch of the whole
+    # group: the nodes the failed attempt kept for it are given back first.
+    fallback = last is not None and last.verb is not LaunchVerb.LAUNCH
+    give_back: list[Action] = (
+        [Release(inc.attempt, f"the {last.verb} failed: a fresh launch replaces it")]
+        if fallback and inc is not None and last is not None
+        else []
+    )
     if (
         p is None
         or last is None
@@ -1193,7 +1291,7 @@ def _launch(
         )
     ):
         # In place after a transport error: wait the backoff before starting again.
-        if inc is not None and inc.result(_P.SELECT_REPLACEMENT).get("in_place"):
+        if inc is not None and verb is not LaunchVerb.LAUNCH and _in_place(s, inc):
             tries = 1
             for past in reversed(s.past_incidents):  # consecutive restarts in place
                 if rm.remedy_for(past.failure_class) is not _A.RESTART_IN_PLACE:
@@ -1202,17 +1300,21 @@ def _launch(
             wait = rm.backoff_s(s.job_id, tries, base_s=cfg.backoff_base_s, cap_s=cfg.backoff_cap_s)
             if _age(s.now, a.started_at) < wait:
                 return []
-        return [StartNodes(a.number, i)]
+        return [start]
     if not last.capacity:
-        same = [f for f in a.launch_failures if not f.capacity]
         if not last.retryable:
             return fail(f"launch failed: {last.message}")
+        if fallback:
+            # Never the same refill or restart again (its request is failed, and the
+            # cluster it needed is not as it must be): a new cluster, at once.
+            return [*give_back, start]
+        same = [f for f in a.launch_failures if not f.capacity and f.verb is LaunchVerb.LAUNCH]
         if len(same) > cfg.launch_retries:
             return fail(f"launch failed {len(same)} times: {last.message}")
         wait = rm.backoff_s(s.job_id, len(same), base_s=cfg.backoff_base_s, cap_s=cfg.backoff_cap_s)
         if _age(s.now, last.at) < wait:
             return []
-        return [StartNodes(a.number, i)]
+        return [start]
     tried = ", ".join(f"{f.cloud}/{f.region}/{f.instance_type}" for f in a.launch_failures)
     if s.candidates is None:
         return fail(f"launch failed: {last.message}; no other placement: {s.candidates_error}")
@@ -1229,6 +1331,7 @@ def _launch(
         return []
     placement = replace(choice.placement, knobs=p.knobs)
     return [
+        *give_back,
         Replan(
             a.number,
             placement,
@@ -1249,27 +1352,22 @@ def _provisioning(s: JobSnapshot, a: AttemptView, inc: IncidentView | None) -> l
         done: list[Action] = [MarkProvisioned(a.number, p.hosts if p is not None else ())]
         if inc is not None:
             waited = _age(s.now, a.requested_at)
-            selected = inc.result(_P.SELECT_REPLACEMENT)
-            kept = len(selected.get("keep") or ())
-            how = (
-                "restarted in place"
-                if selected.get("in_place")
-                else f"{kept} kept, {a.num_nodes - kept} launched beside them"
-                if kept
-                else (a.placement.region if a.placement is not None else "launched")
-            )
             done.append(
                 FinishStep(
                     inc.event_id,
                     _P.LAUNCH,
                     StepOutcome.OK,
                     f"attempt {a.number}: {a.num_nodes} nodes x {a.ranks_per_node} ranks up "
-                    f"in {waited:.1f} s ({how})",
+                    f"in {waited:.1f} s ({_how_launched(a)})",
                 )
             )
         return done
     if p is not None and p.phase is LaunchPhase.FAILED:
-        return [LaunchRequestFailed(a.number, p.detail or "the provider failed it", p.capacity)]
+        return [
+            LaunchRequestFailed(
+                a.number, p.detail or "the provider failed it", p.capacity, launch_verb(a)
+            )
+        ]
     limit = s.spec.restarts.provision_timeout_s
     waited = _age(s.now, a.requested_at)
     if waited > limit:
@@ -1279,9 +1377,36 @@ def _provisioning(s: JobSnapshot, a: AttemptView, inc: IncidentView | None) -> l
                 f"not provisioned after {waited:.0f} s (provision_timeout_s {limit:.0f})"
                 + (f"; last seen: {p.phase} {p.detail}".rstrip() if p is not None else ""),
                 capacity=True,
+                verb=launch_verb(a),
             )
         ]
     return []
+
+
+def launch_verb(a: AttemptView) -> LaunchVerb:
+    """How the attempt's next (or current) request gets its nodes: as SELECT decided,
+    until one request of that verb failed; from then on a fresh launch on a new
+    cluster. A refill or a restart is never tried twice: the cluster it needs was not
+    as it must be (a refill onto a cluster that is not INIT with fewer nodes would
+    rerun the doomed node; an exec onto an INIT cluster or with a changed agent wheel
+    fails again), and its failed request must never be adopted as the next one."""
+    if a.verb is not LaunchVerb.LAUNCH and any(f.verb is a.verb for f in a.launch_failures):
+        return LaunchVerb.LAUNCH
+    return a.verb
+
+
+def _how_launched(a: AttemptView) -> str:
+    verb, kept, n = launch_verb(a), len(a.keep), a.num_nodes
+    if verb is LaunchVerb.RESTART_IN_PLACE or (verb is LaunchVerb.JOIN_SURVIVORS and kept >= n):
+        return "restarted in place"
+    if verb is LaunchVerb.REFILL:
+        return f"its cluster refilled: {kept} kept, {n - kept} provisioned"
+    if verb is LaunchVerb.JOIN_SURVIVORS:
+        return f"{kept} kept, {n - kept} launched beside them"
+    where = a.placement.region if a.placement is not None else "launched"
+    if a.verb is not LaunchVerb.LAUNCH:
+        return f"{where}: a fresh launch, after the {a.verb} failed"
+    return where
 
 
 def _validate(

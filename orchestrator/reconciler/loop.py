@@ -38,7 +38,7 @@ import statistics
 import threading
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Any
+from typing import cast
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -54,7 +54,7 @@ from orchestrator.launchers.base import (
     RefillingLauncher,
     TaskRejected,
 )
-from orchestrator.store import repo, work
+from orchestrator.store import records, repo, work
 from orchestrator.store.models import Attempt
 from orchestrator.store.snapshot import Rows, attempt_row, gather_snapshot, parts_of, placement_of
 
@@ -238,16 +238,14 @@ class Reconciler:
                 self._set_status(s, job_id, st, reason, now)
             case rc.RecordAttempt():
                 work.record_attempt(s, rows.job, rows.spec, action, self.launcher.name, now)
-            case rc.StartNodes(number=n):
-                tries = snap.attempt.launch_failures if snap.attempt is not None else ()
-                self._start_nodes(s, rows, n, now, launch_try=len(tries))
+            case rc.StartNodes(number=n, verb=verb, launch_try=launch_try):
+                self._start_nodes(s, rows, n, now, verb=verb, launch_try=launch_try)
             case rc.MarkProvisioned(number=n, hosts=hosts):
                 work.attempt_up(s, rows.job, job_id, n, hosts, now)
-            case rc.LaunchRequestFailed(number=n, detail=detail, capacity=capacity):
-                self._launch_failed(s, rows, n, detail, capacity, now)
+            case rc.LaunchRequestFailed(number=n, detail=detail, capacity=capacity, verb=verb):
+                self._launch_failed(s, rows, n, detail, capacity, now, verb)
             case rc.Replan(number=n, placement=p, reason=reason):
-                if work.replan_attempt(s, job_id, n, p, reason, now):
-                    self._give_back(s, job_id, n - 1, "the relaunch moved region")
+                work.replan_attempt(s, job_id, n, p, reason, now)
             case rc.RecordFailure():
                 number = rows.attempt.number if rows.attempt else 0
                 work.record_failure(s, job_id, number, action, now)
@@ -309,25 +307,28 @@ class Reconciler:
             log.warning("job %s: giving back %s failed: %s", job_id, handle.cluster_name, e)
 
     def _launch_failed(
-        self, s: Session, rows: Rows, number: int, detail: str, capacity: bool, now: datetime
-    ) -> None:
+        self, s: Session, rows: Rows, number: int, detail: str, capacity: bool, now: datetime,
+        verb: rc.LaunchVerb,
+    ) -> None:  # fmt: skip
         """Record the failed request as a refused launch; give back whatever of it the
         provider did bring up (a half-provisioned cluster still bills)."""
         a = attempt_row(s, rows.job.id, number)
         if a is None:
             return
         for handle in work.launch_request_failed(
-            s, rows.job.id, number, placement_of(a), detail, capacity=capacity, now=now
+            s, rows.job.id, number, placement_of(a), detail, capacity=capacity, now=now, verb=verb
         ):
             self._down(rows.job.id, handle)
 
     def _start_nodes(
-        self, s: Session, rows: Rows, number: int, now: datetime, *, launch_try: int = 0
-    ) -> None:
-        """Ask the launcher for the recorded attempt exactly as it was recorded. The
-        launcher answers with a request at once (provisioning is polled on later
-        ticks, never waited on here); a refusal is recorded (``launch_failed``) for
-        ``decide`` to re-plan or stop.
+        self, s: Session, rows: Rows, number: int, now: datetime, *,
+        verb: rc.LaunchVerb, launch_try: int = 0,
+    ) -> None:  # fmt: skip
+        """Ask the launcher for the recorded attempt exactly as it was recorded, by the
+        verb ``decide`` chose (nothing here picks one). The launcher answers with a
+        request at once (provisioning is polled on later ticks, never waited on
+        here); a refusal is recorded (``launch_failed``, with its verb) for ``decide``
+        to fall back, re-plan or stop.
 
         ``launch_try`` (the launch failures already recorded for the attempt) keys the
         request with the job and attempt: a leader that crashed, or lost its lease,
@@ -340,7 +341,7 @@ class Reconciler:
         if a is None or a.handle:
             return
         placement = placement_of(a)
-        k = a.knobs or {}
+        plan = records.launch_plan_of(a)
         env = {
             Env.SERVICE_URL: self.service_url,
             **({Env.CA_PEM: self.service_ca_pem} if self.service_ca_pem else {}),
@@ -349,16 +350,16 @@ class Reconciler:
             Env.CHECKPOINT_URI: spec.checkpoint.uri,
             Env.CHECKPOINT_EVERY: str(spec.checkpoint.every_steps),
             Env.CHECKPOINT_KEEP: str(spec.checkpoint.keep),
-            Env.RESUME_FROM: str(k.get("resume_from") or "latest"),
+            Env.RESUME_FROM: plan.resume_from,
         }
         if a.resume_step is not None:
             env[Env.EXPECTED_STEP] = str(a.resume_step)
-        if k.get("stage_from"):
-            env[Env.STAGE_FROM] = str(k["stage_from"])
-        if k.get("collective_timeout_s"):
-            env[Env.COLLECTIVE_TIMEOUT_S] = str(int(k["collective_timeout_s"]))
-        if k.get("skip_steps"):
-            first, last = k["skip_steps"]
+        if plan.stage_from:
+            env[Env.STAGE_FROM] = plan.stage_from
+        if plan.collective_timeout_s:
+            env[Env.COLLECTIVE_TIMEOUT_S] = str(plan.collective_timeout_s)
+        if plan.skip_steps:
+            first, last = plan.skip_steps
             env[Env.SKIP_STEPS] = f"{first}-{last}"
         if spec.model is not None:
             env[Env.GLOBAL_BATCH] = str(spec.model.global_batch)
@@ -376,38 +377,49 @@ class Reconciler:
             ranks_per_node=spec.ranks_per_node,
             grace_s=spec.restarts.grace_period_s,
             task=spec.task,
-            exclude_hosts=tuple(k.get("exclude_hosts") or ()),
+            exclude_hosts=plan.exclude_hosts,
             launch_try=launch_try,
         )
         previous = attempt_row(s, job.id, number - 1)
-        keep = list(k.get("keep") or [])
+        before = parts_of(previous) if previous is not None else []
         try:
-            before = parts_of(previous) if previous is not None else []
-            if k.get("in_place") and len(before) == 1:
-                parts = [self.launcher.restart(before[0], request)]
-            elif k.get("in_place") and previous is not None and before:
-                # A group across launches restarts as one: every node kept, in rank order.
-                every = [n for part in before for n in part.node_ids]
-                parts = self._join_survivors(s, request, previous, every, k)
-            elif keep and isinstance(self.launcher, RefillingLauncher) and len(before) == 1:
-                # The cloud keeps the running nodes of the cluster and adds the lost ones.
-                parts = [self.launcher.refill(before[0], request)]
-            elif keep and previous is not None:
-                parts = self._join_survivors(s, request, previous, keep, k)
-            else:
-                parts = [self.launcher.launch(request)]
+            parts = self._ask(verb, request, previous, before, plan, s)
         except LaunchError as e:
             work.record_launch_failure(
                 s, job.id, number, placement, str(e), capacity=isinstance(e, CapacityError),
-                now=now, retryable=not isinstance(e, TaskRejected),
+                now=now, retryable=not isinstance(e, TaskRejected), verb=verb,
             )  # fmt: skip
             return
         crash_point("launch-accepted", number)
-        work.attempt_started(s, a, parts, now)
+        work.attempt_started(s, a, parts, now, verb)
+
+    def _ask(
+        self, verb: rc.LaunchVerb, request: LaunchRequest, previous: Attempt | None,
+        before: list[LaunchHandle], plan: records.LaunchPlan, s: Session,
+    ) -> list[LaunchHandle]:  # fmt: skip
+        """Carry out ``verb``. A verb the last attempt's launches cannot take (decide
+        chose it from the same snapshot, so only a row changed since) is a refused
+        launch, which ``decide`` answers with a fresh one."""
+        if verb is rc.LaunchVerb.LAUNCH:
+            return [self.launcher.launch(request)]
+        if previous is None or not before:
+            raise LaunchError(f"a {verb} needs the last attempt's nodes, and none are recorded")
+        if verb is rc.LaunchVerb.RESTART_IN_PLACE:
+            if len(before) != 1:
+                raise LaunchError(f"a restart in place of {len(before)} launches is a join")
+            return [self.launcher.restart(before[0], request)]
+        if verb is rc.LaunchVerb.REFILL:
+            if len(before) != 1:
+                raise LaunchError(f"a refill of {len(before)} launches: refill one cluster")
+            # The ability is declared (``refills_clusters``, which decide read); the
+            # launchers that declare it are RefillingLaunchers (tests/launchers check).
+            refiller = cast(RefillingLauncher, self.launcher)
+            return [refiller.refill(before[0], request)]
+        return self._join_survivors(s, request, previous, plan.keep, plan.keep_hosts)
 
     def _join_survivors(
-        self, s: Session, request: LaunchRequest, previous: Attempt, keep: list[str],
-        knobs: dict[str, Any],
+        self, s: Session, request: LaunchRequest, previous: Attempt, keep: tuple[str, ...],
+        keep_hosts: tuple[str, ...],
     ) -> list[LaunchHandle]:  # fmt: skip
         """The kept nodes restart in place as node ranks 0..k-1 (per launch they came
         from), then the replacements launch as ranks k..n-1; every node is told the
@@ -431,7 +443,7 @@ class Reconciler:
             )
             base += len(ids)
         if base < n:
-            extra = tuple(knobs.get("keep_hosts") or ())
+            extra = tuple(h for h in keep_hosts if h)
             fresh = self._part_request(request, base, n - base, group)
             parts.append(
                 self.launcher.launch(replace(fresh, exclude_hosts=(*request.exclude_hosts, *extra)))

@@ -20,6 +20,7 @@ from orchestrator.domain.protocol import ProtocolStep
 from orchestrator.store.goodput import failed_attempt_last_step, rank_values
 from orchestrator.store.models import Attempt, FailureEvent, Node
 from orchestrator.store.models import ProtocolStep as StepRow
+from orchestrator.store.records import selection_from_json
 from orchestrator.store.snapshot import utc
 
 
@@ -73,6 +74,9 @@ def incidents(s: Session, job_id: str) -> list[dict[str, Any]]:
             for r in rows
         ]
         select_row = next((r for r in rows if r.step == str(ProtocolStep.SELECT_REPLACEMENT)), None)
+        chosen = (
+            selection_from_json(select_row.result) if select_row and select_row.result else None
+        )
         nxt = s.scalars(select(Attempt).where(Attempt.incident_id == inc.id)).first()
         nodes = s.scalars(select(Node).where(Node.job_id == job_id, Node.attempt == number))
         last = failed_attempt_last_step(
@@ -103,7 +107,8 @@ def incidents(s: Session, job_id: str) -> list[dict[str, Any]]:
                 "message": inc.message,
                 "attempt": number,
                 "occurred_at": utc(inc.occurred_at),
-                "remedy": ((select_row.result or {}).get("remedy") if select_row else None),
+                "remedy": str(chosen.remedy) if chosen is not None else None,
+                "launch_verb": str(chosen.verb) if chosen is not None else None,
                 "last_step": last,
                 "resumed_step": resumed,
                 "steps_lost": (

@@ -37,7 +37,7 @@ from orchestrator.domain.remedy import PastIncident
 from orchestrator.domain.spec import JobSpec
 from orchestrator.domain.status import JobStatus
 from orchestrator.launchers.base import Launcher, LaunchHandle
-from orchestrator.store import liveness, repo
+from orchestrator.store import liveness, records, repo
 from orchestrator.store.models import Attempt, FailureEvent, Job, Node
 from orchestrator.store.models import ProtocolStep as StepRow
 
@@ -341,6 +341,7 @@ def _attempt_view(
             capacity=bool((e.details or {}).get("capacity")),
             message=e.message or "",
             retryable=(e.details or {}).get("retryable", True) is not False,
+            verb=records.failed_verb(e.details or {}),
         )
         for e in s.scalars(
             select(FailureEvent)
@@ -366,6 +367,7 @@ def _attempt_view(
         for d in [e.details or {}]
         if d.get("attempt") == a.number
     )
+    plan = records.launch_plan_of(a)
     return rc.AttemptView(
         requested_at=_when(a.handle, "requested_at"),
         up_at=up_at,
@@ -384,6 +386,9 @@ def _attempt_view(
         placement=placement_of(a),
         launch_failures=failed_launches,
         hosts=hosts,
+        verb=plan.verb,
+        keep=plan.keep,
+        launches=max(1, len(parts)),
     )
 
 
@@ -439,17 +444,23 @@ def _failures(
     return out
 
 
-def _step_views(s: Session, incident_id: int) -> dict[ProtocolStep, rc.StepView]:
-    return {
-        ProtocolStep(r.step): rc.StepView(
+def _step_views(
+    s: Session, incident_id: int
+) -> tuple[dict[ProtocolStep, rc.StepView], dict[ProtocolStep, dict[str, Any]]]:
+    """The incident's steps, and the stored result of each that has one."""
+    views: dict[ProtocolStep, rc.StepView] = {}
+    results: dict[ProtocolStep, dict[str, Any]] = {}
+    for r in s.scalars(select(StepRow).where(StepRow.incident_id == incident_id)):
+        step = ProtocolStep(r.step)
+        views[step] = rc.StepView(
             started_at=utc(r.started_at) or repo.utcnow(),
             finished_at=utc(r.finished_at),
             outcome=StepOutcome(r.outcome) if r.outcome else None,
             detail=r.detail or "",
-            result=dict(r.result or {}),
         )
-        for r in s.scalars(select(StepRow).where(StepRow.incident_id == incident_id))
-    }
+        if r.result:
+            results[step] = dict(r.result)
+    return views, results
 
 
 def _incidents(s: Session, job_id: str) -> tuple[rc.IncidentView | None, tuple[PastIncident, ...]]:
@@ -468,9 +479,11 @@ def _incidents(s: Session, job_id: str) -> tuple[rc.IncidentView | None, tuple[P
         signature = d.get("signature") if isinstance(d.get("signature"), str) else None
         onset = d.get("onset_step") if isinstance(d.get("onset_step"), int) else None
         if k == len(rows) - 1:
-            steps = _step_views(s, inc.id)
+            steps, results = _step_views(s, inc.id)
             validate = steps.get(ProtocolStep.VALIDATE)
             if validate is None or validate.finished_at is None:
+                confirmed = results.get(ProtocolStep.CONFIRM_CHECKPOINT)
+                selected = results.get(ProtocolStep.SELECT_REPLACEMENT)
                 open_view = rc.IncidentView(
                     event_id=inc.id,
                     attempt=int(d.get("attempt", 0)),
@@ -480,6 +493,8 @@ def _incidents(s: Session, job_id: str) -> tuple[rc.IncidentView | None, tuple[P
                     host=d.get("host") if isinstance(d.get("host"), str) else None,
                     signature=signature,
                     onset_step=onset,
+                    confirmed=records.confirmed_from_json(confirmed) if confirmed else None,
+                    selection=records.selection_from_json(selected) if selected else None,
                 )
                 continue
         past.append(PastIncident(_cls(inc.failure_class), signature, onset))
@@ -494,7 +509,8 @@ def _excluded_hosts(s: Session, job_id: str) -> frozenset[str]:
             StepRow.job_id == job_id, StepRow.step == str(ProtocolStep.SELECT_REPLACEMENT)
         )
     ):
-        out.update(h for h in (r.result or {}).get("exclude_hosts", ()) if isinstance(h, str))
+        if r.result:
+            out.update(records.selection_from_json(r.result).exclude_hosts)
     return frozenset(out)
 
 
@@ -506,9 +522,8 @@ def _poisoned(s: Session, job_id: str) -> frozenset[tuple[int, str]]:
             StepRow.job_id == job_id, StepRow.step == str(ProtocolStep.CONFIRM_CHECKPOINT)
         )
     ):
-        for step, digest in ((r.result or {}).get("poisoned") or {}).items():
-            if str(step).isdigit() and isinstance(digest, str):
-                out.add((int(step), digest))
+        if r.result:
+            out.update(records.confirmed_from_json(r.result).poisoned.items())
     return frozenset(out)
 
 

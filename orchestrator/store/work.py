@@ -23,7 +23,7 @@ from orchestrator.domain.protocol import ProtocolStep, StepOutcome
 from orchestrator.domain.spec import JobSpec
 from orchestrator.domain.status import TERMINAL
 from orchestrator.launchers.base import LaunchHandle
-from orchestrator.store import repo
+from orchestrator.store import records, repo
 from orchestrator.store.goodput import rank_values
 from orchestrator.store.models import Attempt, FailureEvent, Job, Lease, Node, NodeCommand
 from orchestrator.store.models import ProtocolStep as StepRow
@@ -142,7 +142,7 @@ def finish_step(
     detail: str,
     now: datetime,
     *,
-    result: dict[str, Any] | None = None,
+    result: rc.StepResult | None = None,
 ) -> None:
     row = _step_row(s, inc, step)
     if row is None:
@@ -155,7 +155,7 @@ def finish_step(
     row.finished_at = now
     row.outcome = str(outcome)
     row.detail = detail[:2000]
-    row.result = result
+    row.result = records.result_json(result) if result is not None else None
     s.flush()
 
 
@@ -259,14 +259,7 @@ def record_attempt(
                 "ranks_per_node": spec.ranks_per_node,
                 "gpu_memory_gib": p.gpu_memory_gib,
                 "accelerator_count": p.accelerator_count,
-                "resume_from": action.resume_from,
-                "in_place": action.in_place,
-                "exclude_hosts": list(action.exclude_hosts),
-                "skip_steps": list(action.skip_steps) if action.skip_steps else None,
-                "collective_timeout_s": action.collective_timeout_s,
-                "stage_from": action.stage_from,
-                "keep": list(action.keep),
-                "keep_hosts": list(action.keep_hosts),
+                **records.plan_json(action),
                 **(p.knobs.to_dict() if p.knobs else {}),
             },
             resume_step=action.resume_step,
@@ -281,16 +274,15 @@ def record_attempt(
 
 def replan_attempt(
     s: Session, job_id: str, number: int, p: Placement, reason: str, now: datetime
-) -> bool:
-    """A launch refused for capacity: the attempt (not yet started) moves to ``p``.
-    True when it had kept survivors of the last attempt, which must now be given back."""
+) -> None:
+    """A launch refused for capacity: the attempt (not yet started) moves to ``p``. The
+    survivors it kept cannot follow (``decide`` gives them back with the re-plan)."""
     a = attempt_row(s, job_id, number)
     if a is None or a.handle:
-        return False
+        return
     a.cloud, a.region, a.zone, a.instance_type = p.cloud, p.region, p.zone, p.instance_type
     a.accelerator, a.num_nodes, a.spot = p.accelerator, p.num_nodes, p.spot
     a.price_per_node_hour = p.price_per_node_hour
-    kept = bool((a.knobs or {}).get("keep"))
     # Survivors cannot join a replacement in another region: the whole group moves.
     a.knobs = {**(a.knobs or {}), "gpu_memory_gib": p.gpu_memory_gib, "keep": [],
                "keep_hosts": []}  # fmt: skip
@@ -306,7 +298,6 @@ def replan_attempt(
         now=now,
     )  # fmt: skip
     s.flush()
-    return kept
 
 
 def record_launch_failure(
@@ -319,6 +310,7 @@ def record_launch_failure(
     capacity: bool,
     now: datetime,
     retryable: bool = True,
+    verb: rc.LaunchVerb = rc.LaunchVerb.LAUNCH,
 ) -> None:
     tries = s.scalars(
         select(FailureEvent).where(
@@ -339,6 +331,7 @@ def record_launch_failure(
             "instance_type": p.instance_type,
             "capacity": capacity,
             "retryable": retryable,
+            "verb": str(verb),
         },
         now=now,
     )
@@ -353,12 +346,20 @@ def _part(h: LaunchHandle) -> dict[str, Any]:
     }
 
 
-def attempt_started(s: Session, a: Attempt, parts: list[LaunchHandle], now: datetime) -> None:
+def attempt_started(
+    s: Session,
+    a: Attempt,
+    parts: list[LaunchHandle],
+    now: datetime,
+    verb: rc.LaunchVerb = rc.LaunchVerb.LAUNCH,
+) -> None:
     """The launcher accepted the request(s): the attempt is provisioning (LAUNCHING)
     until :func:`attempt_up`. Several parts: the kept nodes' restart and the
-    replacements' launch, node ranks in that order."""
+    replacements' launch, node ranks in that order. ``verb``: how they were asked for
+    (what the attempts API shows)."""
     last = parts[-1]
     a.handle = {
+        "verb": str(verb),
         **_part(parts[0]),
         "launcher": last.launcher,
         "node_ids": [n for h in parts for n in h.node_ids],
@@ -411,6 +412,7 @@ def launch_request_failed(
     *,
     capacity: bool,
     now: datetime,
+    verb: rc.LaunchVerb = rc.LaunchVerb.LAUNCH,
 ) -> list[LaunchHandle]:
     """An accepted launch request failed (or timed out): recorded like a refused
     launch, and the attempt is back to not launched; returns the launches to give back."""
@@ -418,7 +420,7 @@ def launch_request_failed(
     if a is None or not a.handle or a.handle.get("up_at"):
         return []
     handles = parts_of(a)
-    record_launch_failure(s, job_id, number, p, detail, capacity=capacity, now=now)
+    record_launch_failure(s, job_id, number, p, detail, capacity=capacity, now=now, verb=verb)
     a.handle = None
     a.cluster_name = None
     a.started_at = now  # the backoff before the next try counts from here

@@ -12,6 +12,7 @@ from orchestrator.domain import reconcile as rc
 from orchestrator.domain.failures import FailureClass as F
 from orchestrator.domain.plan import Placement
 from orchestrator.domain.planner import Candidate
+from orchestrator.domain.policy import RecoveryAction
 from orchestrator.domain.protocol import ProtocolStep as P
 from orchestrator.domain.protocol import StepOutcome as O
 from orchestrator.domain.spec import validate_job_spec
@@ -96,8 +97,8 @@ def failure(cls=F.PREEMPTION_NOTICE, kind="preemption_notice", node_id="j-a1-n1"
     return rc.Failure(id_, kind, cls, ago(2), node_id=node_id, exit_code=code, message="m")
 
 
-def incident(steps: dict, cls=F.PREEMPTION_NOTICE, attempt_=1) -> rc.IncidentView:
-    return rc.IncidentView(event_id=99, attempt=attempt_, failure_class=cls, steps=steps)
+def incident(steps: dict, cls=F.PREEMPTION_NOTICE, attempt_=1, **kw) -> rc.IncidentView:
+    return rc.IncidentView(event_id=99, attempt=attempt_, failure_class=cls, steps=steps, **kw)
 
 
 def done(*names: P, at: float = 5.0) -> dict:
@@ -273,7 +274,7 @@ def test_confirm_takes_the_newest_complete_checkpoint_then_releases_the_nodes():
     inc = incident(done(P.DETECT, P.SIGNAL))
     out = rc.decide(snap(status=S.RECOVERING, incident=inc, listing=listing))
     assert out[0] == rc.StartStep(99, P.CONFIRM_CHECKPOINT)
-    assert out[1].result == {"step": 40, "uri": "file:///ckpt/step_40"}
+    assert out[1].result == rc.ConfirmedCheckpoint(40, "file:///ckpt/step_40")
     assert out[2] == rc.Release(1, "incident 99", keep_nodes=False)
 
 
@@ -285,22 +286,22 @@ def test_an_unreadable_checkpoint_store_is_never_read_as_no_checkpoint():
     assert out[2].status is S.FAILED
 
 
+CONFIRMED_40 = rc.ConfirmedCheckpoint(40, "file:///ckpt/step_40")
+
+
 def _selected(inc_cls=F.PREEMPTION_NOTICE, **kw) -> list:
-    steps = {
-        **done(P.DETECT, P.SIGNAL),
-        P.CONFIRM_CHECKPOINT: rc.StepView(
-            ago(4), ago(3), O.OK, result={"step": 40, "uri": "file:///ckpt/step_40"}
-        ),
-    }
-    return rc.decide(snap(status=S.RECOVERING, incident=incident(steps, inc_cls), **kw))
+    steps = {**done(P.DETECT, P.SIGNAL, P.CONFIRM_CHECKPOINT)}
+    inc = incident(steps, inc_cls, confirmed=CONFIRMED_40)
+    return rc.decide(snap(status=S.RECOVERING, incident=inc, **kw))
 
 
 def test_select_records_the_placement_that_launch_will_start():
     (start, fin) = _selected()
     assert start == rc.StartStep(99, P.SELECT_REPLACEMENT)
-    placement = fin.result["placement"]
-    assert placement["region"] == "r2"  # r1 preempted us: avoided while r2 exists
-    assert fin.result["remedy"] == "replace_node_block_region" and not fin.result["in_place"]
+    assert isinstance(fin.result, rc.Selection)
+    assert fin.result.placement.region == "r2"  # r1 preempted us: avoided while r2 exists
+    assert fin.result.remedy is RecoveryAction.REPLACE_NODE_BLOCK_REGION
+    assert fin.result.verb is rc.LaunchVerb.LAUNCH  # new nodes, a new cluster
 
 
 def test_the_restart_limit_is_decided_at_select():
@@ -326,12 +327,13 @@ def test_a_preempted_node_is_replaced_beside_the_healthy_one_which_stays():
     assert fin.step is P.CONFIRM_CHECKPOINT
     # the healthy node stays provisioned; the lost one is given back
     assert release == rc.Release(1, "incident 99", keep_nodes=True, release_nodes=("j-a1-n1",))
-    steps = {**s.incident.steps, P.CONFIRM_CHECKPOINT: rc.StepView(
-        ago(4), ago(3), O.OK, result={"step": 40, "uri": "file:///ckpt/step_40"})}  # fmt: skip
-    (_, sel) = rc.decide(replace(s, incident=replace(s.incident, steps=steps)))
-    assert sel.result["keep"] == ["j-a1-n0"] and sel.result["keep_hosts"] == ["h0"]
+    steps = {**s.incident.steps, **done(P.CONFIRM_CHECKPOINT)}
+    inc = replace(s.incident, steps=steps, confirmed=CONFIRMED_40)
+    (_, sel) = rc.decide(replace(s, incident=inc))
+    assert sel.result.keep == ("j-a1-n0",) and sel.result.keep_hosts == ("h0",)
     # the replacement joins the survivor: same region, although r1 just preempted us
-    assert sel.result["placement"]["region"] == "r1" and not sel.result["in_place"]
+    assert sel.result.placement.region == "r1"
+    assert sel.result.verb is rc.LaunchVerb.JOIN_SURVIVORS
     assert "keep the 1 healthy node (j-a1-n0)" in sel.detail
 
 
@@ -376,20 +378,19 @@ def test_a_transport_error_keeps_every_node_in_place_not_some():
 
 
 def _selected_steps() -> dict:
-    return {
-        **done(P.DETECT, P.SIGNAL),
-        P.CONFIRM_CHECKPOINT: rc.StepView(
-            ago(4), ago(3), O.OK, result={"step": 40, "uri": "s3://b/ckpt/step_40"}
-        ),
-        P.SELECT_REPLACEMENT: rc.StepView(
-            ago(3), ago(2), O.OK, result={"placement": R1.to_dict(), "in_place": False}
-        ),
-    }
+    return {**done(P.DETECT, P.SIGNAL, P.CONFIRM_CHECKPOINT, P.SELECT_REPLACEMENT)}
+
+
+#: CONFIRM's and SELECT's results: step 40 on s3, new nodes in r1.
+CHOSEN = dict(
+    confirmed=rc.ConfirmedCheckpoint(40, "s3://b/ckpt/step_40"),
+    selection=rc.Selection(RecoveryAction.REPLACE_NODE_BLOCK_REGION, R1, rc.LaunchVerb.LAUNCH),
+)
 
 
 def test_launch_records_what_select_chose_and_the_node_stages_the_remote_checkpoint():
     (start, status, rec) = rc.decide(
-        snap(status=S.RECOVERING, incident=incident(_selected_steps()))
+        snap(status=S.RECOVERING, incident=incident(_selected_steps(), **CHOSEN))
     )
     assert start == rc.StartStep(99, P.LAUNCH) and status.status is S.PROVISIONING
     assert rec == rc.RecordAttempt(
@@ -404,7 +405,7 @@ def _provisioning(progress: rc.LaunchProgress | None, *, requested: float, nodes
         2, validated=None, expected=40, nodes=nodes, started=requested, state="launching",
         requested_at=ago(requested), up_at=None, provision=progress,
     )  # fmt: skip
-    return snap(status=S.RECOVERING, attempt=a2, incident=incident(steps))
+    return snap(status=S.RECOVERING, attempt=a2, incident=incident(steps, **CHOSEN))
 
 
 def test_a_launch_still_provisioning_is_polled_not_failed_even_past_the_register_timeout():
@@ -450,7 +451,8 @@ def _staging(staged=(), nodes=None, failures=()):
         P.STAGE: rc.StepView(ago(2)),
     }
     a2 = attempt(2, validated=None, expected=40, staged=staged, nodes=nodes, started=3.0)
-    return snap(status=S.RECOVERING, attempt=a2, incident=incident(steps), failures=failures)
+    inc = incident(steps, **CHOSEN)
+    return snap(status=S.RECOVERING, attempt=a2, incident=inc, failures=failures)
 
 
 def test_stage_waits_for_every_node_to_report_then_says_what_was_copied():

@@ -22,6 +22,7 @@ from orchestrator.domain import remedy as rm
 from orchestrator.domain.failures import FailureClass as F
 from orchestrator.domain.plan import TrainingKnobs
 from orchestrator.domain.planner import FailureRecord
+from orchestrator.domain.policy import RecoveryAction
 from orchestrator.domain.protocol import ProtocolStep as P
 from orchestrator.domain.protocol import StepOutcome as O
 from orchestrator.domain.spec import validate_job_spec
@@ -44,18 +45,21 @@ def incident(cls, steps, **kw) -> rc.IncidentView:
 
 
 def confirmed(step=40, **more):
-    return {
-        **done(P.DETECT, P.SIGNAL),
-        P.CONFIRM_CHECKPOINT: rc.StepView(
-            ago(4), ago(3), O.OK, result={"step": step, "uri": f"file:///ckpt/step_{step}"}
-        ),
-        **more,
-    }
+    return {**done(P.DETECT, P.SIGNAL, P.CONFIRM_CHECKPOINT), **more}
+
+
+def chosen(step=40, verb=rc.LaunchVerb.LAUNCH, remedy=RecoveryAction.REPLACE_NODE_BLOCK_REGION):
+    """CONFIRM's and SELECT's results: ``step`` confirmed, ``verb`` onto R1."""
+    return dict(
+        confirmed=rc.ConfirmedCheckpoint(step, f"file:///ckpt/step_{step}"),
+        selection=rc.Selection(remedy, R1, verb),
+    )
 
 
 def select(cls, **kw) -> rc.FinishStep | list:
     inc_kw = {k: kw.pop(k) for k in ("host", "signature", "onset_step") if k in kw}
-    out = rc.decide(snap(status=S.RECOVERING, incident=incident(cls, confirmed(), **inc_kw), **kw))
+    inc = incident(cls, confirmed(), confirmed=chosen()["confirmed"], **inc_kw)
+    out = rc.decide(snap(status=S.RECOVERING, incident=inc, **kw))
     return next(o for o in out if isinstance(o, rc.FinishStep))
 
 
@@ -65,10 +69,10 @@ def select(cls, **kw) -> rc.FinishStep | list:
 def test_an_oom_replans_to_a_smaller_setting_with_the_same_global_batch():
     a = attempt(placement=replace(R1, knobs=TrainingKnobs(8, 2, 0)))
     fin = select(F.CUDA_OOM, spec=SPEC_WITH_MODEL, attempt=a)
-    assert fin.outcome is O.OK and fin.result["remedy"] == "replan_memory"
-    k = fin.result["placement"]["knobs"]
-    assert k["micro_batch"] * k["grad_accum"] * 4 == 64  # 4 data-parallel ranks
-    assert (k["micro_batch"], k["activation_checkpoint_every"]) != (8, 0)
+    assert fin.outcome is O.OK and fin.result.remedy is RecoveryAction.REPLAN_MEMORY
+    k = fin.result.placement.knobs
+    assert k.micro_batch * k.grad_accum * 4 == 64  # 4 data-parallel ranks
+    assert (k.micro_batch, k.activation_checkpoint_every) != (8, 0)
     assert "global batch 64 kept" in fin.detail
 
 
@@ -119,7 +123,7 @@ def test_confirm_rolls_an_anomaly_back_to_the_newest_checkpoint_older_than_its_o
     inc = incident(cls, done(P.DETECT, P.SIGNAL), onset_step=onset)
     out = rc.decide(snap(status=S.RECOVERING, incident=inc, listing=listing))
     fin = next(o for o in out if isinstance(o, rc.FinishStep))
-    assert fin.result["step"] == expected
+    assert fin.result.step == expected
 
 
 def test_the_same_anomaly_at_the_same_step_twice_fails_the_job():
@@ -148,13 +152,11 @@ def test_rollback_skip_relaunches_with_the_window_past_the_onset_skipped():
     steps = confirmed(
         40,
         **{
-            P.SELECT_REPLACEMENT: rc.StepView(
-                ago(3), ago(2), O.OK, result={"placement": R1.to_dict(), "in_place": False}
-            ),
+            P.SELECT_REPLACEMENT: rc.StepView(ago(3), ago(2), O.OK),
             P.STAGE: rc.StepView(ago(2), ago(1), O.OK),
         },
     )
-    inc = incident(F.LOSS_SPIKE, steps, onset_step=47)
+    inc = incident(F.LOSS_SPIKE, steps, onset_step=47, **chosen())
     out = rc.decide(snap(status=S.RECOVERING, spec=spec, incident=inc))
     (rec,) = [o for o in out if isinstance(o, rc.RecordAttempt)]
     assert rec.skip_steps == (41, 52) and rec.resume_step == 40
@@ -165,14 +167,14 @@ def test_rollback_skip_relaunches_with_the_window_past_the_onset_skipped():
 
 def test_a_hardware_fault_excludes_its_host_from_every_later_placement():
     fin = select(F.GPU_HARDWARE, host="h1-1")
-    assert fin.result["exclude_hosts"] == ["h1-1"]
+    assert fin.result.exclude_hosts == ("h1-1",)
     assert "host h1-1 excluded" in fin.detail
     fin = select(F.NODE_LOST, excluded_hosts=frozenset({"h1-1"}))
-    assert fin.result["exclude_hosts"] == ["h1-1"]  # a bad host stays bad
+    assert fin.result.exclude_hosts == ("h1-1",)  # a bad host stays bad
 
 
 def test_a_preemption_does_not_blame_the_host():
-    assert select(F.PREEMPTION_NOTICE, host="h1-1").result["exclude_hosts"] == []
+    assert select(F.PREEMPTION_NOTICE, host="h1-1").result.exclude_hosts == ()
 
 
 # --- transport errors: same placement, no re-provisioning, with backoff -----------------------
@@ -184,27 +186,28 @@ def test_a_transport_error_restarts_in_place_without_releasing_the_nodes():
     out = rc.decide(snap(status=S.RECOVERING, incident=inc, listing=listing))
     assert rc.Release(1, "incident 99", keep_nodes=True) in out
     fin = select(F.NCCL_TRANSPORT)
-    assert fin.result["in_place"] is True and fin.result["placement"]["region"] == "r1"
+    assert fin.result.verb is rc.LaunchVerb.RESTART_IN_PLACE
+    assert fin.result.placement.region == "r1"
 
 
 def test_a_restart_in_place_waits_its_backoff_before_starting():
     steps = confirmed(
         40,
         **{
-            P.SELECT_REPLACEMENT: rc.StepView(
-                ago(3), ago(2), O.OK, result={"placement": R1.to_dict(), "in_place": True}
-            ),
+            P.SELECT_REPLACEMENT: rc.StepView(ago(3), ago(2), O.OK),
             P.STAGE: rc.StepView(ago(2), ago(1), O.SKIPPED),
             P.LAUNCH: rc.StepView(ago(1)),
         },
     )
-    a2 = attempt(2, validated=None, launched=False, state="launching", nodes=(), started=1)
-    inc = incident(F.NCCL_TRANSPORT, steps)
+    in_place = rc.LaunchVerb.RESTART_IN_PLACE
+    a2 = attempt(2, validated=None, launched=False, state="launching", nodes=(), started=1,
+                 verb=in_place)  # fmt: skip
+    inc = incident(F.NCCL_TRANSPORT, steps, **chosen(verb=in_place))
     assert rc.decide(snap(status=S.RECOVERING, incident=inc, attempt=a2)) == []
     wait = rm.backoff_s("j", 1)
     later = replace(a2, started_at=ago(wait + 0.1))
     assert rc.decide(snap(status=S.RECOVERING, incident=inc, attempt=later)) == [
-        rc.StartNodes(2, 99)
+        rc.StartNodes(2, 99, in_place)
     ]
 
 
@@ -256,8 +259,14 @@ def test_a_launch_refused_for_another_reason_is_retried_then_fails_naming_it():
                        launch_failures=fails)  # fmt: skip
 
     # a transient failure (a package fetch that timed out) gets another try, after a wait
-    assert rc.decide(snap(status=S.PROVISIONING, attempt=failed(1))) == [rc.StartNodes(1, None)]
-    assert rc.decide(snap(status=S.PROVISIONING, attempt=failed(2))) == [rc.StartNodes(1, None)]
+    # each try is a request of its own (keyed by the try): never the failed one adopted
+    launch = rc.LaunchVerb.LAUNCH
+    assert rc.decide(snap(status=S.PROVISIONING, attempt=failed(1))) == [
+        rc.StartNodes(1, None, launch, launch_try=1)
+    ]
+    assert rc.decide(snap(status=S.PROVISIONING, attempt=failed(2))) == [
+        rc.StartNodes(1, None, launch, launch_try=2)
+    ]
     out = rc.decide(snap(status=S.PROVISIONING, attempt=failed(3)))  # past launch_retries
     assert out[0].status is S.FAILED and "launch failed 3 times: bad image" in out[0].reason
 
@@ -307,7 +316,7 @@ def test_one_straggler_report_is_noise_three_replace_the_node_after_a_save():
     inc = incident(F.SLOW_PEER, done(P.DETECT))
     out = rc.decide(snap(status=S.RECOVERING, incident=inc))
     assert out[1].type == "checkpoint_and_stop"  # every node is alive: save first
-    assert select(F.SLOW_PEER, host="h1-1").result["exclude_hosts"] == ["h1-1"]
+    assert select(F.SLOW_PEER, host="h1-1").result.exclude_hosts == ("h1-1",)
 
 
 # --- causes and consequences ----------------------------------------------------------------
@@ -364,13 +373,11 @@ def test_a_relaunch_carries_the_timeout_derived_from_the_failed_attempt():
     steps = confirmed(
         40,
         **{
-            P.SELECT_REPLACEMENT: rc.StepView(
-                ago(3), ago(2), O.OK, result={"placement": R1.to_dict(), "in_place": False}
-            ),
+            P.SELECT_REPLACEMENT: rc.StepView(ago(3), ago(2), O.OK),
             P.STAGE: rc.StepView(ago(2), ago(1), O.OK),
         },
     )
-    inc = incident(F.NODE_LOST, steps)
+    inc = incident(F.NODE_LOST, steps, **chosen())
     out = rc.decide(snap(status=S.RECOVERING, incident=inc, attempt=a, blocking_save_s=1.0))
     (rec,) = [o for o in out if isinstance(o, rc.RecordAttempt)]
     assert rec.collective_timeout_s == 60  # 10 x 3 s step < the 60 s floor
@@ -381,16 +388,16 @@ def test_checkpoints_a_rollback_went_past_are_never_resumed_by_a_later_incident(
     spike = incident(F.LOSS_SPIKE, done(P.DETECT, P.SIGNAL), onset_step=30)
     out = rc.decide(snap(status=S.RECOVERING, incident=spike, listing=listing))
     fin = next(o for o in out if isinstance(o, rc.FinishStep))
-    assert fin.result["step"] == 20 and fin.result["poisoned"] == {"30": "b", "40": "c"}
+    assert fin.result.step == 20 and fin.result.poisoned == {30: "b", 40: "c"}
     # The next incident (another class) before the run saved step 30 again: from 20.
     lost = incident(F.NODE_LOST, done(P.DETECT, P.SIGNAL))
     poisoned = frozenset({(30, "b"), (40, "c")})
     out = rc.decide(snap(status=S.RECOVERING, incident=lost, listing=listing, poisoned=poisoned))
-    assert next(o for o in out if isinstance(o, rc.FinishStep)).result["step"] == 20
+    assert next(o for o in out if isinstance(o, rc.FinishStep)).result.step == 20
     # Once step 30 was saved again (a new manifest), it is a good checkpoint.
     again = rc.CheckpointListing("file:///ckpt", (20, 30), {20: "a", 30: "new"})
     out = rc.decide(snap(status=S.RECOVERING, incident=lost, listing=again, poisoned=poisoned))
-    assert next(o for o in out if isinstance(o, rc.FinishStep)).result["step"] == 30
+    assert next(o for o in out if isinstance(o, rc.FinishStep)).result.step == 30
 
 
 def test_a_vanished_node_names_the_incident_whatever_its_survivors_logs_say():

@@ -1,0 +1,206 @@
+"""The typed records the reconciler keeps in JSON columns, read and written here only.
+
+Protocol steps hand each other results (``domain.reconcile.StepResult``: SELECT's
+``Selection``, CONFIRM's ``ConfirmedCheckpoint``, VALIDATE's ``ResumeValidated``),
+stored in the step row's ``result`` column; an attempt's launch plan (its verb, where
+its ranks resume from, the nodes it keeps) is stored in the attempt's ``knobs``.
+``decide`` and the executors see only the dataclasses: nothing outside this module
+reads those columns by key, so a field is renamed in one place, and a row that does
+not parse is an error naming the field, never a silent default that would pick a
+different launch verb.
+
+Rows written before the verb existed (``in_place`` and ``keep`` instead) are read as
+the verb the reconciler picked for them then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.domain import reconcile as rc
+from orchestrator.domain.plan import Placement
+from orchestrator.domain.policy import RecoveryAction
+from orchestrator.store.models import Attempt
+
+
+class StoredRecordError(ValueError):
+    """A stored record does not parse; the message names the row's field."""
+
+
+def _strs(d: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
+    raw = d.get(key) or ()
+    if not isinstance(raw, list | tuple) or not all(isinstance(x, str) for x in raw):
+        raise StoredRecordError(f"{where}: {key!r} is not a list of strings: {raw!r}")
+    return tuple(raw)
+
+
+def _opt_int(d: dict[str, Any], key: str, where: str) -> int | None:
+    raw = d.get(key)
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int):
+        raise StoredRecordError(f"{where}: {key!r} is not an integer: {raw!r}")
+    return raw
+
+
+def _legacy_verb(d: dict[str, Any]) -> rc.LaunchVerb:
+    """The verb a row from before verbs meant (the reconciler then picked a refill or
+    a join from the launcher's class; a join is what every launcher can do)."""
+    if d.get("in_place"):
+        return rc.LaunchVerb.RESTART_IN_PLACE
+    return rc.LaunchVerb.JOIN_SURVIVORS if d.get("keep") else rc.LaunchVerb.LAUNCH
+
+
+def _verb(d: dict[str, Any], where: str) -> rc.LaunchVerb:
+    raw = d.get("verb")
+    if raw is None:
+        return _legacy_verb(d)
+    try:
+        return rc.LaunchVerb(raw)
+    except ValueError:
+        known = ", ".join(v.value for v in rc.LaunchVerb)
+        raise StoredRecordError(f"{where}: unknown launch verb {raw!r} (known: {known})") from None
+
+
+# --- protocol step results ---------------------------------------------------------------
+
+
+def result_json(result: rc.StepResult) -> dict[str, Any]:
+    """The JSON a step row stores for ``result``."""
+    match result:
+        case rc.Selection():
+            return {
+                "remedy": str(result.remedy),
+                "placement": result.placement.to_dict(),
+                "verb": str(result.verb),
+                "exclude_hosts": list(result.exclude_hosts),
+                "keep": list(result.keep),
+                "keep_hosts": list(result.keep_hosts),
+            }
+        case rc.ConfirmedCheckpoint():
+            out: dict[str, Any] = {"step": result.step, "uri": result.uri}
+            if result.poisoned:
+                # JSON keys are strings: the step as its decimal.
+                out["poisoned"] = {str(k): v for k, v in sorted(result.poisoned.items())}
+            return out
+        case rc.ResumeValidated():
+            return {"resumed_step": result.resumed_step}
+
+
+def selection_from_json(d: dict[str, Any]) -> rc.Selection:
+    where = "select_replacement result"
+    try:
+        remedy = RecoveryAction(str(d.get("remedy")))
+    except ValueError:
+        raise StoredRecordError(f"{where}: unknown remedy {d.get('remedy')!r}") from None
+    raw = d.get("placement")
+    if not isinstance(raw, dict):
+        raise StoredRecordError(f"{where}: 'placement' is missing or not an object")
+    try:
+        placement = Placement.from_dict(raw)
+    except TypeError as e:
+        raise StoredRecordError(f"{where}: 'placement' does not parse: {e}") from None
+    return rc.Selection(
+        remedy=remedy,
+        placement=placement,
+        verb=_verb(d, where),
+        exclude_hosts=_strs(d, "exclude_hosts", where),
+        keep=_strs(d, "keep", where),
+        keep_hosts=_strs(d, "keep_hosts", where),
+    )
+
+
+def confirmed_from_json(d: dict[str, Any]) -> rc.ConfirmedCheckpoint:
+    where = "confirm_checkpoint result"
+    uri = d.get("uri")
+    if uri is not None and not isinstance(uri, str):
+        raise StoredRecordError(f"{where}: 'uri' is not a string: {uri!r}")
+    raw = d.get("poisoned") or {}
+    if not isinstance(raw, dict):
+        raise StoredRecordError(f"{where}: 'poisoned' is not an object: {raw!r}")
+    poisoned: dict[int, str] = {}
+    for step, digest in raw.items():
+        if not str(step).isdigit() or not isinstance(digest, str):
+            raise StoredRecordError(f"{where}: 'poisoned' entry {step!r}: {digest!r}")
+        poisoned[int(step)] = digest
+    return rc.ConfirmedCheckpoint(_opt_int(d, "step", where), uri, poisoned)
+
+
+# --- an attempt's launch plan --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What an attempt was recorded to launch with, besides its placement
+    (``RecordAttempt``): the executors read this, never the attempt's JSON."""
+
+    verb: rc.LaunchVerb = rc.LaunchVerb.LAUNCH
+    resume_from: str = "latest"
+    stage_from: str | None = None
+    collective_timeout_s: int | None = None
+    skip_steps: tuple[int, int] | None = None
+    exclude_hosts: tuple[str, ...] = ()
+    keep: tuple[str, ...] = ()
+    keep_hosts: tuple[str, ...] = ()
+
+
+def plan_json(action: rc.RecordAttempt) -> dict[str, Any]:
+    """The launch-plan keys of an attempt's ``knobs`` for ``action``."""
+    return {
+        "verb": str(action.verb),
+        "resume_from": action.resume_from,
+        "exclude_hosts": list(action.exclude_hosts),
+        "skip_steps": list(action.skip_steps) if action.skip_steps else None,
+        "collective_timeout_s": action.collective_timeout_s,
+        "stage_from": action.stage_from,
+        "keep": list(action.keep),
+        "keep_hosts": list(action.keep_hosts),
+    }
+
+
+def launch_plan_of(a: Attempt) -> LaunchPlan:
+    k = a.knobs or {}
+    where = f"attempt {a.number} of job {a.job_id}"
+    skip = k.get("skip_steps")
+    if skip is not None and not (
+        isinstance(skip, list | tuple) and len(skip) == 2 and all(isinstance(x, int) for x in skip)
+    ):
+        raise StoredRecordError(f"{where}: 'skip_steps' is not [first, last]: {skip!r}")
+    stage = k.get("stage_from")
+    return LaunchPlan(
+        verb=_verb(k, where),
+        resume_from=str(k.get("resume_from") or "latest"),
+        stage_from=str(stage) if stage else None,
+        collective_timeout_s=_opt_int(k, "collective_timeout_s", where),
+        skip_steps=(int(skip[0]), int(skip[1])) if skip else None,
+        exclude_hosts=_strs(k, "exclude_hosts", where),
+        keep=_strs(k, "keep", where),
+        keep_hosts=_strs(k, "keep_hosts", where),
+    )
+
+
+def failed_verb(details: dict[str, Any]) -> rc.LaunchVerb:
+    """The verb of a recorded launch failure (one from before verbs: a fresh launch)."""
+    raw = details.get("verb")
+    try:
+        return rc.LaunchVerb(raw) if raw is not None else rc.LaunchVerb.LAUNCH
+    except ValueError:
+        raise StoredRecordError(f"launch failure: unknown launch verb {raw!r}") from None
+
+
+def launched_verb(a: Attempt) -> rc.LaunchVerb:
+    """The verb the attempt's accepted request used (its handle's), else the one it
+    was recorded with: they differ after a refill or restart fell back to a launch."""
+    raw = (a.handle or {}).get("verb")
+    if raw is None:
+        return launch_plan_of(a).verb
+    return _verb(a.handle or {}, f"attempt {a.number} of job {a.job_id}: handle")
+
+
+def restarted_in_place(a: Attempt) -> bool:
+    """Every node of the attempt is a node of the last one, restarted where it was."""
+    verb = launched_verb(a)
+    if verb is rc.LaunchVerb.JOIN_SURVIVORS:
+        return len(launch_plan_of(a).keep) >= a.num_nodes
+    return verb is rc.LaunchVerb.RESTART_IN_PLACE
