@@ -145,6 +145,14 @@ def serve(
 def submit(
     file: Annotated[Path, typer.Argument(help="job spec YAML")],
     output: OutputOpt = Output.table,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="print the SkyPilot task YAML the first launch would submit (as SkyPilot "
+            "reads it: its image, disk and ports), and submit nothing",
+        ),
+    ] = False,
 ) -> None:
     """Submit a job spec (validated here first, then by the service)."""
     from orchestrator.domain.spec import SpecError, parse_job_spec_yaml
@@ -157,6 +165,19 @@ def submit(
         parse_job_spec_yaml(text)
     except SpecError as e:
         fail(f"{file}: invalid job spec: {e}", 2)
+    if dry_run:
+        out = Client().request(
+            "POST", "/v1/jobs/render", content=text, headers={"content-type": "application/yaml"}
+        )
+        if output is Output.json:
+            print_json(out)
+        else:
+            # The YAML alone on stdout (it can be piped to a file, or to `sky launch`).
+            err_console.print(
+                f"# {out['cluster_name']} on {out['placement']}", markup=False, highlight=False
+            )
+            print(out["task_yaml"], end="")
+        return
     job = Client().request(
         "POST", "/v1/jobs", content=text, headers={"content-type": "application/yaml"}
     )

@@ -6,6 +6,7 @@ import json
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response, status
+from pydantic import BaseModel
 
 from orchestrator.api.deps import OperatorDep, SessionDep
 from orchestrator.api.schemas import (
@@ -20,6 +21,7 @@ from orchestrator.api.schemas import (
 )
 from orchestrator.domain.spec import (
     MAX_SPEC_BYTES,
+    JobSpec,
     SpecError,
     load_yaml_document,
     validate_job_spec,
@@ -35,9 +37,42 @@ def _spec_error(e: SpecError) -> HTTPException:
     return HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail)
 
 
-@router.post("/jobs", status_code=201, response_model=JobOut)
-async def create_job(request: Request, session: SessionDep) -> JobOut:
-    """Submit a job spec as JSON, or as YAML with ``Content-Type: application/yaml``."""
+class RenderOut(BaseModel):
+    """``POST /v1/jobs/render``: the SkyPilot task a job's first launch would submit."""
+
+    cluster_name: str
+    placement: str
+    task_yaml: str
+
+
+@router.post("/jobs/render", response_model=RenderOut)
+async def render_job(request: Request) -> RenderOut:
+    """The SkyPilot task YAML the job's first launch would submit, as SkyPilot reads it
+    (resources pinned to the planner's placement; the user's image, disk and ports
+    kept): ``skyresume submit --dry-run``. Stores nothing, asks SkyPilot's API server
+    nothing; 422 for a spec that is invalid, or that the launcher would refuse."""
+    from starlette.concurrency import run_in_threadpool
+
+    from orchestrator.launchers.base import LaunchError
+    from orchestrator.launchers.skypilot import render_job as render
+
+    spec = await _read_spec(request)
+    state = request.app.state
+    try:  # the catalog, planner and SkyPilot's Task (seconds): off the event loop
+        out = await run_in_threadpool(
+            render, spec, launcher=state.launcher, settings=state.settings
+        )
+    except LaunchError as e:
+        raise HTTPException(
+            status.HTTP_422_UNPROCESSABLE_CONTENT, [{"loc": ["body", "task"], "msg": str(e)}]
+        ) from None
+    return RenderOut(cluster_name=out.cluster_name, placement=out.placement,
+                     task_yaml=out.task_yaml)  # fmt: skip
+
+
+async def _read_spec(request: Request) -> JobSpec:
+    """The request's job spec: JSON, or YAML with ``Content-Type: application/yaml``;
+    413, 415 or 422 (naming the field) when it is not one."""
     body = await request.body()
     if len(body) > MAX_SPEC_BYTES:
         raise HTTPException(413, f"job spec is {len(body)} bytes; the limit is {MAX_SPEC_BYTES}")
@@ -52,9 +87,15 @@ async def create_job(request: Request, session: SessionDep) -> JobOut:
                 raise SpecError([("", f"unreadable JSON: {e}")]) from None
         else:
             raise HTTPException(415, f"unsupported content type {ctype!r}; use JSON or YAML")
-        spec = validate_job_spec(doc)
+        return validate_job_spec(doc)
     except SpecError as e:
         raise _spec_error(e) from None
+
+
+@router.post("/jobs", status_code=201, response_model=JobOut)
+async def create_job(request: Request, session: SessionDep) -> JobOut:
+    """Submit a job spec as JSON, or as YAML with ``Content-Type: application/yaml``."""
+    spec = await _read_spec(request)
     job = repo.create_job(session, spec)
     return JobOut.model_validate(job, from_attributes=True)
 

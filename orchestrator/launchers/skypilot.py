@@ -45,6 +45,7 @@ import shlex
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
@@ -757,7 +758,7 @@ class SkyPilotLauncher:
     #: missing ones (sky/provision/aws/instance.py run_instances: count - running).
     #: Either may be refused (RefillRefused, RestartRefused): then a fresh launch.
     abilities = LauncherAbilities(
-        restarts_in_place=True, keeps_survivors=True, refills_clusters=True
+        restarts_in_place=True, keeps_survivors=True, refills_clusters=True, confirms_down=True
     )
 
     def __init__(
@@ -1512,3 +1513,45 @@ def status_from_records(handle: LaunchHandle, records: Any) -> ClusterStatus:
             return ClusterStatus(ClusterState.DOWN, (), "STOPPED")
         return ClusterStatus(ClusterState.UNKNOWN, (), f"unrecognised status {status!r}")
     return ClusterStatus(ClusterState.UNKNOWN, (), "not listed by sky.status")
+
+
+@dataclass(frozen=True)
+class RenderedTask:
+    """What a launch of a job would submit to SkyPilot (``skyresume submit --dry-run``)."""
+
+    cluster_name: str
+    placement: str
+    """``cloud/region[/zone] instance type, nodes x accelerators, spot|on-demand``."""
+    task_yaml: str
+    """The task as SkyPilot reads it (:func:`task_yaml`), secrets redacted."""
+
+
+def render_job(spec: JobSpec, *, launcher: Any = None, settings: Any = None) -> RenderedTask:
+    """The SkyPilot task the first attempt of ``spec`` would be launched with: placed
+    by the same selection as the reconciler's, built and pinned exactly as
+    :meth:`SkyPilotLauncher.launch` builds it, and nothing asked of SkyPilot's API
+    server. With the SkyPilot launcher, its own (package, node image, history);
+    otherwise one made from ``settings`` for this alone: what the job would be on
+    SkyPilot. TaskRejected or LaunchError naming why it could not be rendered."""
+    builder = launcher if isinstance(launcher, SkyPilotLauncher) else SkyPilotLauncher(settings)
+    placement = builder.placement_for(spec)
+    request = LaunchRequest(
+        job_id="dry-run",
+        attempt=1,
+        placement=placement,
+        command=spec.task.command or "",
+        env={Env.JOB_ID: "dry-run", Env.ATTEMPT: "1", Env.CHECKPOINT_URI: spec.checkpoint.uri},
+        ranks_per_node=spec.ranks_per_node,
+        grace_s=spec.restarts.grace_period_s,
+        task=spec.task,
+    )
+    p = placement
+    where = f"{p.cloud}/{p.region}" + (f"/{p.zone}" if p.zone else "")
+    accel = f" x {p.accelerator}:{p.accelerator_count}" if p.accelerator else ""
+    what = f"{where} {p.instance_type}, {p.num_nodes} nodes{accel}, "
+    what += "spot" if p.spot else "on-demand"
+    return RenderedTask(
+        cluster_name=cluster_name_for(request.job_id, request.attempt),
+        placement=what,
+        task_yaml=builder.render(request, spec.task),
+    )
