@@ -97,7 +97,12 @@ class ReconcileConfig:
     register_timeout_s: float = 180.0
     """A node that has not registered this long after launch is lost."""
     validate_timeout_s: float = 300.0
-    """Ranks that have not all reported what they resumed from by then failed to start."""
+    """How long ranks may take to report what they resumed from when neither the spec
+    (``restarts.validate_timeout_s``) nor an earlier attempt's measured start-up says."""
+    validate_floor_s: float = 120.0
+    """The least a measured start-up gives (a fast first start is no promise)."""
+    validate_factor: float = 3.0
+    """The measured start-up is multiplied by this (a relaunch may load more, slower)."""
     signal_slack_s: float = 15.0
     """Beyond the grace period, how long SIGNAL waits for agents to report their exit."""
     slow_reports_to_act: int = 3
@@ -164,6 +169,13 @@ class RankView:
     """Seconds between the rank's last datagram and the agent's last heartbeat."""
     step_time: float | None = None
     """The rank's last measured step time, seconds."""
+    exit_code: int | None = None
+    """How the rank ended, as its agent saw it (None: alive, or not known)."""
+    signal: str | None = None
+    """The signal that ended it (``SIGTERM``), if one did."""
+    cpu_idle_s: float | None = None
+    """Seconds since the rank's process last used CPU, as its agent measured (None: not
+    measured). Evidence of work for a script that sends no progress reports."""
 
 
 @dataclass(frozen=True)
@@ -176,6 +188,15 @@ class NodeView:
     exited: bool = False
     """The agent reported ``node_exit``."""
     exit_code: int | None = None
+    saved_step: int | None = None
+    """The node's exit report: the newest checkpoint its ranks reported saving (None:
+    none reported; never assumed from the failure's class)."""
+    exit_reason: str = ""
+    """The node's exit report's reason (``all ranks exited 0``, ``rank 3 ended with
+    signal SIGTERM``)."""
+    own_found: bool | None = None
+    """Its agent found ``checkpoint.own``'s path on the node and passed it to the
+    ranks (True), looked and found nothing (False), or was not asked to (None)."""
     ranks: tuple[RankView, ...] = ()
     host: str | None = None
     """The machine the node runs on (what a hardware fault is blamed on)."""
@@ -425,6 +446,12 @@ class JobSnapshot:
     start). Silence is counted from then at the earliest: heartbeats that went
     unanswered while the service itself was down (a restart, a crash) say nothing
     about the nodes, so a restart never turns into every node lost."""
+    startup_s: tuple[float, ...] = ()
+    """Measured start-ups of the job's earlier attempts: seconds from their nodes being
+    up to every rank having reported what it resumed from (LAUNCH's end to VALIDATE's)."""
+    plain: bool = False
+    """A ``plain_script`` event was recorded for the job: its ranks send no progress
+    reports, and it runs under the plain-script contract from then on."""
 
     @property
     def num_nodes(self) -> int:
@@ -536,6 +563,16 @@ class RecordFailure:
 
 
 @dataclass(frozen=True)
+class RecordNote:
+    """A fact about the job the reconciler noticed that is no failure (recorded once
+    per kind and attempt): e.g. its ranks send no progress reports."""
+
+    kind: EventKind
+    attempt: int
+    message: str
+
+
+@dataclass(frozen=True)
 class OpenIncident:
     cause: Failure
     attempt: int
@@ -595,6 +632,7 @@ Action = (
     | LaunchRequestFailed
     | Replan
     | RecordFailure
+    | RecordNote
     | OpenIncident
     | StartStep
     | FinishStep
@@ -771,6 +809,10 @@ def decide(s: JobSnapshot, cfg: ReconcileConfig | None = None) -> list[Action]:
         return []
     if a is None:
         return _first_launch(s)
+    if finished(a) and not _stopped_by_us(s, a):
+        # Before any protocol step: a run that finished is never restarted, whatever
+        # step an incident is at (a relaunch that ran to its end never validated).
+        return _succeed(s, a)
     if s.incident is not None:
         return _protocol(s, a, s.incident, cfg)
     if a.state == AttemptState.LAUNCHING and (not a.launched or a.provisioning):
@@ -810,18 +852,6 @@ def decide(s: JobSnapshot, cfg: ReconcileConfig | None = None) -> list[Action]:
     found = detect(s, a, cfg)
     if found is not None:
         return [found]
-    if (
-        len(a.nodes) == a.num_nodes
-        and all(n.exited for n in a.nodes)
-        and all(n.exit_code == 0 for n in a.nodes)
-    ):
-        done: list[Action] = [
-            SetStatus(JobStatus.SUCCEEDED, f"training finished at step {a.last_step()}"),
-            Release(a.number, "finished"),
-        ]
-        if s.status is JobStatus.PROVISIONING:  # finished before every rank reported in
-            done.insert(0, SetStatus(JobStatus.RUNNING, "every node ran to completion"))
-        return done
     if a.state == AttemptState.ENDED:
         return [SetStatus(JobStatus.FAILED, f"attempt {a.number} ended with no outcome recorded")]
 
@@ -832,16 +862,14 @@ def decide(s: JobSnapshot, cfg: ReconcileConfig | None = None) -> list[Action]:
             if s.status is JobStatus.PROVISIONING:
                 out.append(SetStatus(JobStatus.RUNNING, f"all {a.world_size} ranks at step {step}"))
             return out
-        if a.up_at is not None and _age(s.now, a.up_at) > cfg.validate_timeout_s:
-            return [
-                RecordFailure(
-                    EventKind.STUCK,
-                    _F.RENDEZVOUS_FAILURE,
-                    None,
-                    f"attempt {a.number}: not every rank reported its resume step "
-                    f"within {cfg.validate_timeout_s:.0f} s",
-                )
-            ]
+        start = startup(s, a, cfg)
+        if isinstance(start, RecordFailure):
+            return [start]
+        if isinstance(start, PlainRun):
+            plain: list[Action] = [] if s.plain else [RecordNote(_PLAIN, a.number, start.notice)]
+            if s.status is JobStatus.PROVISIONING:
+                plain.append(SetStatus(JobStatus.RUNNING, start.status))
+            return plain
     return []
 
 
@@ -939,14 +967,13 @@ def _signal(
     if _all_stopped(a) or (
         silent and all(n.exited or n.alive is False or n.node_id in silent for n in a.nodes)
     ):
-        how = "saved and stopped" if inc.failure_class in SAVE_CLASSES else "stopped"
         unheard = f"; not waited for, silent past the heartbeat timeout: {', '.join(silent)}"
         return [
             FinishStep(
                 i,
                 step,
                 StepOutcome.OK,
-                f"every rank {how} ({waited:.1f} s)" + (unheard if silent else ""),
+                f"{stop_evidence(a, silent)} ({waited:.1f} s)" + (unheard if silent else ""),
             )
         ]
     if waited > s.grace_s + cfg.signal_slack_s:
@@ -956,10 +983,59 @@ def _signal(
                 i,
                 step,
                 StepOutcome.OK,
-                f"grace of {s.grace_s:.0f} s over; still running, released: {', '.join(left)}",
+                f"grace of {s.grace_s:.0f} s over; still running, released: {', '.join(left)}; "
+                f"{stop_evidence(a, left)}",
             )
         ]
     return []
+
+
+def stop_evidence(a: AttemptView, unheard: list[str] | tuple[str, ...] = ()) -> str:
+    """How the attempt's ranks stopped, said only from the nodes' exit reports (their
+    ``saved_step`` and exit code) and the ranks' exit codes and signals: a save is
+    claimed only where a node reported one, never from the failure's class."""
+    said: list[str] = []
+    saved: set[int] = set()
+    savers = 0
+    for n in a.nodes:
+        if n.node_id in unheard:
+            continue
+        if not n.exited:
+            if n.alive is False:
+                said.append(f"{n.node_id} gone without an exit report")
+            continue
+        ended = _rank_ends(n)
+        if n.exit_code == int(ExitCode.PREEMPTED_SAVED) and n.saved_step is not None:
+            savers += 1
+            saved.add(n.saved_step)
+            said.append(f"{n.node_id} saved step {n.saved_step} and stopped (exit 75)")
+        elif n.exit_code == 0:
+            said.append(f"{n.node_id}: every rank exited 0")
+        else:
+            what = n.exit_reason or f"exit code {n.exit_code}"
+            last = f", its last save step {n.saved_step}" if n.saved_step is not None else ""
+            said.append(f"{n.node_id} stopped, no save reported ({what}{last}{ended})")
+    heard = [n for n in a.nodes if n.exited and n.node_id not in unheard]
+    if heard and savers == len(heard) and len(saved) == 1:
+        head = f"every rank saved and stopped at step {saved.pop()}"
+    elif heard and savers == 0:
+        head = "every rank stopped; no save reported (each node's exit report: saved_step none)"
+    elif heard:
+        head = "some ranks saved, some did not"
+    else:
+        head = "no node sent an exit report"
+    return f"{head}: " + "; ".join(said) if said else head
+
+
+def _rank_ends(n: NodeView) -> str:
+    """The ranks' own ends, grouped: ``; ranks 2, 3: SIGTERM``."""
+    groups: dict[str, list[int]] = {}
+    for r in n.ranks:
+        if r.signal:
+            groups.setdefault(r.signal, []).append(r.rank)
+        elif r.exit_code is not None:
+            groups.setdefault(f"exit {r.exit_code}", []).append(r.rank)
+    return "".join(f"; {_ranks(ids)}: {how}" for how, ids in groups.items())
 
 
 #: Remedies that keep the hardware: nothing is wrong with the nodes themselves.
@@ -1034,7 +1110,23 @@ def _confirm(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
     last = a.last_step()
     if choice.step is None:
         uri = None
-        text = f"{choice.reason} under {listing.uri}: restarting from step 0"
+        own = s.spec.checkpoint.own
+        plain = s.plain or s.spec.task.framework == "plain"
+        if plain and own is not None:
+            text = (
+                f"{choice.reason} under {listing.uri} (a plain script saves its own): the "
+                f"relaunch passes {own.resume_arg} {own.path} on each node that has it, and "
+                "where none has it the ranks start from scratch"
+            )
+        else:
+            thrown = (
+                f"; the {last} steps reported are lost" if isinstance(last, int) and last else ""
+            )
+            text = (
+                f"{choice.reason} under {listing.uri}: restarting from scratch (step 0)"
+                + (" (a plain script without checkpoint.own)" if plain else "")
+                + thrown
+            )
     else:
         uri = f"{listing.uri.rstrip('/')}/step_{choice.step}"
         lost = f"{last - choice.step} steps lost" if isinstance(last, int) else "steps lost: ?"
@@ -1428,7 +1520,11 @@ def _validate(
         return [
             *out,
             FinishStep(
-                i, step, StepOutcome.OK, f"all {a.world_size} ranks resumed at step {resumed}"
+                i,
+                step,
+                StepOutcome.OK,
+                f"all {a.world_size} ranks resumed at step {resumed} (each rank's resume report)",
+                ResumeValidated(resumed),  # a measured start-up (validate_timeout_s)
             ),
             MarkValidated(a.number, resumed),
             SetStatus(JobStatus.RUNNING, f"recovered: all ranks at step {resumed}"),
@@ -1440,14 +1536,208 @@ def _validate(
     found = detect(s, a, cfg)
     if found is not None:
         return [*out, found]
-    if _age(s.now, a.up_at or a.started_at) > cfg.validate_timeout_s:
-        reason = f"ranks did not all report a resume step in {cfg.validate_timeout_s:.0f} s"
+    start = startup(s, a, cfg)
+    if isinstance(start, RecordFailure):
+        return [*out, FinishStep(i, step, StepOutcome.FAILED, start.message), start]
+    if isinstance(start, PlainRun):
         return [
             *out,
-            FinishStep(i, step, StepOutcome.FAILED, reason),
-            RecordFailure(EventKind.STUCK, _F.RENDEZVOUS_FAILURE, None, reason),
+            *([] if s.plain else [RecordNote(_PLAIN, a.number, start.notice)]),
+            FinishStep(i, step, StepOutcome.OK, start.detail),
+            SetStatus(JobStatus.RUNNING, start.status),
         ]
     return out
+
+
+# --- the truthful loop: a finished run ends, start-up has no fixed timer, claims name
+# their evidence ----------------------------------------------------------------------------
+
+_PLAIN = EventKind.PLAIN_SCRIPT
+
+
+def finished(a: AttemptView) -> bool:
+    """Every node of the attempt sent its exit report, each with exit code 0 (the
+    agent's word that every one of its ranks exited 0)."""
+    return (
+        len(a.nodes) == a.num_nodes
+        and all(n.exited for n in a.nodes)
+        and all(n.exit_code == 0 for n in a.nodes)
+    )
+
+
+def _stopped_by_us(s: JobSnapshot, a: AttemptView) -> bool:
+    """The spec reads an all-zero exit after our stop as stopped (a script that exits 0
+    on SIGTERM), and the open incident asked this attempt's ranks to stop."""
+    inc = s.incident
+    return (
+        not s.spec.restarts.exit_zero_is_success
+        and inc is not None
+        and inc.attempt == a.number
+        and _P.SIGNAL in inc.steps
+    )
+
+
+def _succeed(s: JobSnapshot, a: AttemptView) -> list[Action]:
+    steps = [r.step for n in a.nodes for r in n.ranks if r.step is not None]
+    at = f"; last step reported {max(steps)}" if steps else "; no step was reported"
+    why = (
+        f"training finished: every rank of attempt {a.number} exited 0 (the exit reports "
+        f"of its {a.num_nodes} node{'s' if a.num_nodes > 1 else ''}){at}"
+    )
+    out: list[Action] = []
+    inc = s.incident
+    if inc is not None:
+        # The incident ends with the run: its open step and VALIDATE are closed, so no
+        # later tick reads it as a recovery still to finish.
+        current = next((p for p in ORDER if p in inc.steps and inc.steps[p].outcome is None), None)
+        if current is not None and current is not _P.VALIDATE:
+            out.append(FinishStep(inc.event_id, current, StepOutcome.SKIPPED, why))
+        if a.number > inc.attempt:
+            detail = (
+                f"attempt {a.number} ran to completion: every rank exited 0 (each node's exit "
+                "report)"
+                + (
+                    ""
+                    if a.validated_step is not None
+                    else "; what it resumed from was never reported"
+                )
+            )
+            out.append(FinishStep(inc.event_id, _P.VALIDATE, StepOutcome.OK, detail))
+        else:
+            out.append(FinishStep(inc.event_id, _P.VALIDATE, StepOutcome.SKIPPED, why))
+    if s.status is not JobStatus.RUNNING:  # only RUNNING -> SUCCEEDED is a legal move
+        out.append(
+            SetStatus(JobStatus.RUNNING, f"every node of attempt {a.number} ran to completion")
+        )
+    out += [SetStatus(JobStatus.SUCCEEDED, why), Release(a.number, "finished")]
+    return out
+
+
+def validate_timeout_s(s: JobSnapshot, cfg: ReconcileConfig) -> tuple[float, str]:
+    """How long the ranks get to report what they resumed from, and whence the figure:
+    the spec; else the job's measured start-ups, scaled, with a floor; else a default."""
+    given = s.spec.restarts.validate_timeout_s
+    if given is not None:
+        return given, "restarts.validate_timeout_s"
+    if s.startup_s:
+        longest = max(s.startup_s)
+        limit = max(cfg.validate_floor_s, cfg.validate_factor * longest)
+        return limit, (
+            f"{cfg.validate_factor:g} x the longest start-up measured ({longest:.0f} s), "
+            f"at least {cfg.validate_floor_s:.0f} s"
+        )
+    return cfg.validate_timeout_s, "the default: no start-up of this job measured yet"
+
+
+@dataclass(frozen=True)
+class PlainRun:
+    """The attempt runs under the plain-script contract (README): its ranks send no
+    progress reports, so nothing they loaded can be validated, and they are not
+    stopped for it."""
+
+    notice: str
+    """The one line the ``plain_script`` event says."""
+    detail: str
+    """VALIDATE's detail: what is known of the start, and from which report."""
+    status: str
+
+
+def _is_working(r: RankView, timeout_s: float) -> bool:
+    """The rank shows work: a step report lately, or CPU used lately."""
+    reported = r.step is not None and r.report_age_s is not None and r.report_age_s < timeout_s
+    busy = r.cpu_idle_s is not None and r.cpu_idle_s < timeout_s
+    return reported or busy
+
+
+def _ranks(ids: list[int]) -> str:
+    return ("rank " if len(ids) == 1 else "ranks ") + ", ".join(str(k) for k in sorted(ids))
+
+
+def _own_start(s: JobSnapshot, a: AttemptView) -> str:
+    """What a plain script started from, from its agents' word on ``checkpoint.own``."""
+    own = s.spec.checkpoint.own
+    if own is None:
+        return "from scratch (no checkpoint.own in the spec: the script's own saves are not passed)"
+    found = [n.node_id for n in a.nodes if n.own_found]
+    looked = [n.node_id for n in a.nodes if n.own_found is not None]
+    if found:
+        return (
+            f"with {own.resume_arg} {own.path} on {', '.join(found)} (its agent found the path"
+            f"{'' if len(found) == len(a.nodes) else '; not on the others'}); the step it "
+            "resumed at is not reported"
+        )
+    if looked:
+        return f"from scratch: no node had {own.path} (each agent looked before the ranks started)"
+    return f"{own.resume_arg} {own.path} where a node had it (no agent said whether one did)"
+
+
+def startup(
+    s: JobSnapshot, a: AttemptView, cfg: ReconcileConfig
+) -> RecordFailure | PlainRun | None:
+    """An attempt not yet validated: a plain run, a start-up stuck past the timeout, or
+    None (wait). Training that shows work is never stopped for a missing report."""
+    if a.up_at is None or len(a.nodes) < a.num_nodes:
+        return None  # nodes still registering: the register timeout is detect's
+    ranks = [(n, r) for n in a.nodes for r in n.ranks]
+    heard = any(r.report_age_s is not None for _, r in ranks)
+    declared = s.spec.task.framework == "plain" or s.plain
+    everyone = len(ranks) >= a.world_size
+    if declared and everyone and not heard:
+        return _plain(
+            s,
+            a,
+            "the spec says task.framework: plain" if not s.plain else "noticed earlier in this job",
+        )
+    limit, source = validate_timeout_s(s, cfg)
+    waited = _age(s.now, a.up_at)
+    if waited <= limit:
+        return None
+    hb = s.heartbeat_timeout_s
+    missing = [(n, r) for n, r in ranks if r.resumed_step is None]
+    if any(_is_working(r, hb) for _, r in ranks):
+        if not heard and everyone and all(_is_working(r, hb) for _, r in ranks):
+            return _plain(s, a, f"no rank sent a report in {waited:.0f} s while all used CPU")
+        return None  # some rank works: a slow load, never a reason to stop training
+    absent: list[str] = []
+    for n in a.nodes:
+        if len(n.ranks) < a.ranks_per_node:
+            absent.append(
+                f"{n.node_id}: {a.ranks_per_node - len(n.ranks)} of its {a.ranks_per_node} "
+                "ranks have no process its agent found"
+            )
+    idle = [
+        f"{_ranks([r.rank for r in n.ranks])} on {n.node_id}: "
+        + (
+            "no CPU measured"
+            if any(r.cpu_idle_s is None for r in n.ranks)
+            else f"no CPU used for {min(r.cpu_idle_s or 0.0 for r in n.ranks):.0f} s"
+        )
+        for n in a.nodes
+        if n.ranks
+    ]
+    who = _ranks([r.rank for _, r in missing]) or "no rank"
+    reason = (
+        f"attempt {a.number}: no resume report from {who} in {waited:.0f} s (limit {limit:.0f} s, "
+        f"{source}), and none shows work ({'; '.join(absent + idle)}). Each rank's resume "
+        "report says which checkpoint and step it loaded: without every rank's, nothing "
+        "shows they train from the same state"
+    )
+    cls = _F.RENDEZVOUS_FAILURE if absent else _F.NCCL_TIMEOUT
+    return RecordFailure(EventKind.STUCK, cls, None, reason)
+
+
+def _plain(s: JobSnapshot, a: AttemptView, why: str) -> PlainRun:
+    start = _own_start(s, a)
+    return PlainRun(
+        notice=(
+            f"attempt {a.number}: the ranks send no progress reports ({why}); the job runs "
+            "under the plain-script contract: SIGTERM on notices, exit 0 is success, a restart "
+            + ("passes checkpoint.own" if s.spec.checkpoint.own else "starts from scratch")
+        ),
+        detail=f"not validated (plain script: no resume reports); all {a.world_size} ranks "
+        f"started {start}",
+        status=f"running under the plain-script contract; started {start}"[:500],
+    )
 
 
 def checkpoint_every_update(

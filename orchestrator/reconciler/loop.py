@@ -249,6 +249,8 @@ class Reconciler:
             case rc.RecordFailure():
                 number = rows.attempt.number if rows.attempt else 0
                 work.record_failure(s, job_id, number, action, now)
+            case rc.RecordNote():
+                work.record_note(s, job_id, action, now)
             case rc.OpenIncident():
                 work.open_incident(s, job_id, action, now)
             case rc.StartStep(incident_id=i, step=step):
@@ -356,6 +358,9 @@ class Reconciler:
             env[Env.EXPECTED_STEP] = str(a.resume_step)
         if plan.stage_from:
             env[Env.STAGE_FROM] = plan.stage_from
+        if spec.checkpoint.own is not None:
+            env[Env.OWN_CHECKPOINT] = spec.checkpoint.own.path
+            env[Env.OWN_RESUME_ARG] = spec.checkpoint.own.resume_arg
         if plan.collective_timeout_s:
             env[Env.COLLECTIVE_TIMEOUT_S] = str(plan.collective_timeout_s)
         if plan.skip_steps:

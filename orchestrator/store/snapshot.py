@@ -216,8 +216,50 @@ def gather_snapshot(
         abilities=launcher.abilities,
         restarts_done=job.restart_count,
         blocking_save_s=_blocking_save_s(s, job_id),
+        startup_s=_startups(s, job_id),
+        plain=_noticed_plain(s, job_id),
     )
     return snap, rows
+
+
+def _int_or_none(x: Any) -> int | None:
+    return x if isinstance(x, int) and not isinstance(x, bool) else None
+
+
+def _startups(s: Session, job_id: str) -> tuple[float, ...]:
+    """Each relaunch's measured start-up: LAUNCH's end (its nodes up) to VALIDATE's
+    (every rank reported what it resumed from), for the job's validated relaunches."""
+    ends: dict[int, dict[str, datetime]] = {}
+    for r in s.scalars(
+        select(StepRow).where(
+            StepRow.job_id == job_id,
+            StepRow.step.in_([str(ProtocolStep.LAUNCH), str(ProtocolStep.VALIDATE)]),
+            StepRow.outcome == str(StepOutcome.OK),
+        )
+    ):
+        at = utc(r.finished_at)
+        # Only a VALIDATE that every rank's resume report ended measures a start-up (a
+        # plain run's or a finished run's ends on something else).
+        measured = r.step != str(ProtocolStep.VALIDATE) or "resumed_step" in (r.result or {})
+        if at is not None and measured:
+            ends.setdefault(r.incident_id, {})[r.step] = at
+    out = []
+    for e in ends.values():
+        up, ok = e.get(str(ProtocolStep.LAUNCH)), e.get(str(ProtocolStep.VALIDATE))
+        if up is not None and ok is not None and ok >= up:
+            out.append((ok - up).total_seconds())
+    return tuple(out)
+
+
+def _noticed_plain(s: Session, job_id: str) -> bool:
+    return (
+        s.scalars(
+            select(FailureEvent.id)
+            .where(FailureEvent.job_id == job_id, FailureEvent.kind == EventKind.PLAIN_SCRIPT)
+            .limit(1)
+        ).first()
+        is not None
+    )
 
 
 def _blocking_save_s(s: Session, job_id: str) -> float | None:
@@ -308,6 +350,11 @@ def _attempt_view(
                 step_time=r.get("step_time")
                 if isinstance(r.get("step_time"), int | float)
                 else None,
+                exit_code=r.get("exit_code") if isinstance(r.get("exit_code"), int) else None,
+                signal=r.get("signal") if isinstance(r.get("signal"), str) else None,
+                cpu_idle_s=r.get("cpu_idle_s")
+                if isinstance(r.get("cpu_idle_s"), int | float)
+                else None,
             )
             for r in prog.get("ranks", []) or []
             if isinstance(r, dict)
@@ -321,6 +368,16 @@ def _attempt_view(
                 alive=None if alive_ids is None else n.node_id in alive_ids,
                 exited=ev is not None or seen.state == NodeState.EXITED,
                 exit_code=(ev.details or {}).get("exit_code") if ev is not None else None,
+                saved_step=_int_or_none((ev.details or {}).get("saved_step"))
+                if ev is not None
+                else None,
+                exit_reason=str((ev.details or {}).get("reason") or ev.message or "")
+                if ev is not None
+                else "",
+                own_found=own.get("found")
+                if isinstance(own := prog.get("own_checkpoint"), dict)
+                and isinstance(own.get("found"), bool)
+                else None,
                 ranks=ranks,
                 host=hosts.get(n.node_id) or n.address,
                 address=prog.get("client_ip") if isinstance(prog.get("client_ip"), str) else None,

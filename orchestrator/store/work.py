@@ -178,6 +178,19 @@ def record_failure(
     )
 
 
+def record_note(s: Session, job_id: str, action: rc.RecordNote, now: datetime) -> None:
+    """A fact the reconciler noticed that is no failure, once per (kind, attempt)."""
+    repo.record_event(
+        s,
+        job_id,
+        idempotency_key=f"{action.kind}-a{action.attempt}",
+        kind=action.kind,
+        message=action.message,
+        details={"attempt": action.attempt, "detected_by": "reconciler"},
+        now=now,
+    )
+
+
 def open_incident(s: Session, job_id: str, action: rc.OpenIncident, now: datetime) -> int:
     cause = action.cause
     inc, _ = repo.record_event(
