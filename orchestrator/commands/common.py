@@ -178,6 +178,21 @@ def incident_table(items: list[dict[str, Any]]) -> Table:
     return t
 
 
+def incident_evidence(items: list[dict[str, Any]]) -> list[str]:
+    """Each incident's steps, one line each with the detail the step's evidence gave
+    (the nodes' exit reports, the ranks' resume reports, the store's listing): what
+    ``skyresume incidents`` prints under its table, so no claim is in the JSON only."""
+    lines = []
+    for inc in items:
+        lines.append(
+            f"incident {inc['id']} ({inc['failure_class'] or 'unknown'}): {inc['message']}"
+        )
+        for s in inc["steps"]:
+            if s.get("detail"):
+                lines.append(f"  {s['step']} [{s.get('outcome') or 'running'}]: {s['detail']}")
+    return lines
+
+
 def attempt_progress(attempt: dict[str, Any]) -> str:
     """What an attempt of ``GET /v1/jobs/{id}/attempts`` is known to have trained, in
     words: where it resumed and the highest step its ranks reported, or that its ranks

@@ -20,6 +20,7 @@ from orchestrator.commands.common import (
     OutputOpt,
     attempt_progress,
     console,
+    incident_evidence,
     incident_table,
     print_json,
 )
@@ -172,6 +173,8 @@ def register(app: typer.Typer) -> None:
             print_json(data)
         else:
             console.print(incident_table(data["items"]))
+            for line in incident_evidence(data["items"]):
+                console.print(line, markup=False, highlight=False)
 
     @app.command()
     def attempts(job: JobArg, output: OutputOpt = Output.table) -> None:
