@@ -991,9 +991,11 @@ def _signal(
 
 
 def stop_evidence(a: AttemptView, unheard: list[str] | tuple[str, ...] = ()) -> str:
-    """How the attempt's ranks stopped, said only from the nodes' exit reports (their
-    ``saved_step`` and exit code) and the ranks' exit codes and signals: a save is
-    claimed only where a node reported one, never from the failure's class."""
+    """How the attempt's ranks stopped, said only from the nodes' exit reports and the
+    ranks' exit codes and signals, never from the failure's class. A save is claimed
+    where a node exited 75 (its ranks agreed on a step and committed the save before
+    exiting) and its step where a node reported it (``saved_step``: only rank 0 reports
+    commits, so the other nodes' exit reports carry none)."""
     said: list[str] = []
     saved: set[int] = set()
     savers = 0
@@ -1004,20 +1006,23 @@ def stop_evidence(a: AttemptView, unheard: list[str] | tuple[str, ...] = ()) -> 
             if n.alive is False:
                 said.append(f"{n.node_id} gone without an exit report")
             continue
-        ended = _rank_ends(n)
-        if n.exit_code == int(ExitCode.PREEMPTED_SAVED) and n.saved_step is not None:
+        if n.exit_code == int(ExitCode.PREEMPTED_SAVED):
             savers += 1
-            saved.add(n.saved_step)
-            said.append(f"{n.node_id} saved step {n.saved_step} and stopped (exit 75)")
+            if n.saved_step is not None:
+                saved.add(n.saved_step)
+                said.append(f"{n.node_id} saved step {n.saved_step} and stopped (exit 75)")
+            else:
+                said.append(f"{n.node_id} saved and stopped (exit 75)")
         elif n.exit_code == 0:
             said.append(f"{n.node_id}: every rank exited 0")
         else:
             what = n.exit_reason or f"exit code {n.exit_code}"
             last = f", its last save step {n.saved_step}" if n.saved_step is not None else ""
-            said.append(f"{n.node_id} stopped, no save reported ({what}{last}{ended})")
+            said.append(f"{n.node_id} stopped, no save reported ({what}{last}{_rank_ends(n)})")
     heard = [n for n in a.nodes if n.exited and n.node_id not in unheard]
-    if heard and savers == len(heard) and len(saved) == 1:
-        head = f"every rank saved and stopped at step {saved.pop()}"
+    if heard and savers == len(heard):
+        at = f" at step {min(saved)}" if len(saved) == 1 else " (no node reported the step)"
+        head = "every rank saved and stopped" + (at if len(saved) <= 1 else "")
     elif heard and savers == 0:
         head = "every rank stopped; no save reported (each node's exit report: saved_step none)"
     elif heard:

@@ -385,6 +385,16 @@ def test_a_stop_whose_every_node_reported_its_save_says_which_step():
     assert "j-a1-n1 saved step 120 and stopped (exit 75)" in fin.detail
 
 
+def test_a_collective_save_is_claimed_from_exit_75_and_its_step_from_rank_0_s_node():
+    """Only rank 0 reports commits: the other node exits 75 with no saved_step, and the
+    save (collective, committed before any rank exits) is still every rank's."""
+    first = node(0, exited=True, exit_code=75, saved_step=120)
+    other = node(1, exited=True, exit_code=75)
+    (fin,) = rc.decide(_signalled((first, other)))
+    assert fin.detail.startswith("every rank saved and stopped at step 120")
+    assert "j-a1-n1 saved and stopped (exit 75)" in fin.detail
+
+
 def test_a_stop_with_one_node_saved_and_one_gone_says_both():
     saved = node(0, exited=True, exit_code=75, saved_step=120)
     gone = node(1, alive=False)
