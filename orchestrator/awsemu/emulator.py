@@ -157,7 +157,7 @@ class Emulator:
         try:
             self.moto_proc, moto_url = _start_moto(self.home)
             self.ec2 = Ec2(moto_url, self.regions)
-            skyconf.seed_vpc(moto_url, self.regions)
+            skyconf.seed(moto_url, self.regions)  # IAM profile, then the VPCs
             if self.with_hosts:
                 for line in ensure_prerequisites():
                     self.log(f"awsemu: {line}")

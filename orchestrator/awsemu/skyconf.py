@@ -27,6 +27,8 @@ aws CLI) points there. The VPC ``skypilot-moto`` (10.213.0.0/16) is seeded in ev
 emulated region with one private subnet per zone (``MapPublicIpOnLaunch=False``), the
 subnets disjoint across regions, so every instance's private IP is unique on the
 hypervisor's one bridge; 10.213.0.0/24 stays free for the host side of that bridge.
+SkyPilot's IAM instance profile is seeded too (:func:`seed_iam` says why); :func:`seed`
+does both.
 """
 
 from __future__ import annotations
@@ -306,6 +308,77 @@ def seed_vpc(endpoint: str, regions: Iterable[str] = EMULATED_REGIONS) -> dict[s
                             Tags=[{"Key": "Name", "Value": f"{VPC_NAME}-{zone['ZoneName']}"}])
         vpcs[region] = vpc_id
     return vpcs
+
+
+#: SkyPilot's default instance profile and role (``sky/provision/aws/config.py``:
+#: DEFAULT_SKYPILOT_INSTANCE_PROFILE, DEFAULT_SKYPILOT_IAM_ROLE).
+SKYPILOT_IAM_NAME = "skypilot-v1"
+_IAM_POLICY_VERSION = "2012-10-17"
+
+
+def seed_iam(endpoint: str) -> str:
+    """SkyPilot's instance profile and role, as its first launch in an account leaves them.
+
+    Why seeded, not left to SkyPilot's bootstrap: that bootstrap puts an inline policy
+    without a ``Version`` (real IAM defaults it; moto refuses it with
+    MalformedPolicyDocument), so the first zone's launch fails and SkyPilot fails over
+    to the next one; and it sleeps 15 s twice for IAM propagation. With the profile
+    holding its role, SkyPilot's ``_configure_iam_role`` only reads it, as it does in
+    any account it has launched in before. Idempotent; returns the profile's ARN.
+    """
+    import boto3
+
+    iam = boto3.client("iam", region_name=DEFAULT_REGION, endpoint_url=endpoint,
+                       aws_access_key_id=FAKE_ACCESS_KEY_ID,
+                       aws_secret_access_key=FAKE_SECRET_ACCESS_KEY)
+    errors = iam.exceptions
+    try:
+        profile = iam.get_instance_profile(InstanceProfileName=SKYPILOT_IAM_NAME)
+    except errors.NoSuchEntityException:
+        profile = iam.create_instance_profile(InstanceProfileName=SKYPILOT_IAM_NAME)
+    if profile["InstanceProfile"]["Roles"]:
+        return str(profile["InstanceProfile"]["Arn"])
+    try:
+        role = iam.get_role(RoleName=SKYPILOT_IAM_NAME)["Role"]
+    except errors.NoSuchEntityException:
+        role = iam.create_role(RoleName=SKYPILOT_IAM_NAME, AssumeRolePolicyDocument=json.dumps({
+            "Version": _IAM_POLICY_VERSION,
+            "Statement": [{"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"},
+                           "Action": "sts:AssumeRole"}],
+        }))["Role"]
+    for arn in ("arn:aws:iam::aws:policy/AmazonEC2FullAccess",
+                "arn:aws:iam::aws:policy/AmazonS3FullAccess"):
+        try:
+            iam.attach_role_policy(RoleName=SKYPILOT_IAM_NAME, PolicyArn=arn)
+        except errors.NoSuchEntityException as exc:
+            raise SkyConfError(
+                f"moto does not know {arn}: start moto_server with "
+                "MOTO_IAM_LOAD_MANAGED_POLICIES=true"
+            ) from exc
+    iam.put_role_policy(
+        RoleName=SKYPILOT_IAM_NAME, PolicyName="SkyPilotPassRolePolicy",
+        PolicyDocument=json.dumps({
+            "Version": _IAM_POLICY_VERSION,
+            "Statement": [
+                {"Effect": "Allow", "Action": ["iam:GetRole", "iam:PassRole"],
+                 "Resource": role["Arn"]},
+                {"Effect": "Allow", "Action": "iam:GetInstanceProfile",
+                 "Resource": profile["InstanceProfile"]["Arn"]},
+            ],
+        }),
+    )
+    iam.add_role_to_instance_profile(InstanceProfileName=SKYPILOT_IAM_NAME,
+                                     RoleName=SKYPILOT_IAM_NAME)
+    return str(profile["InstanceProfile"]["Arn"])
+
+
+def seed(endpoint: str, regions: Iterable[str] = EMULATED_REGIONS) -> dict[str, str]:
+    """Everything moto needs before SkyPilot's first launch: IAM, then the VPCs.
+
+    Returns ``{region: vpc id}`` like :func:`seed_vpc`.
+    """
+    seed_iam(endpoint)
+    return seed_vpc(endpoint, regions)
 
 
 # --- API server ----------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import ipaddress
+import os
 import socket
 import subprocess
 import sys
@@ -118,6 +119,8 @@ def moto_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         proc = subprocess.Popen(
             [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
             stdout=out, stderr=subprocess.STDOUT,
+            # As the emulator runs it: SkyPilot attaches AWS-managed policies by ARN.
+            env={**os.environ, "MOTO_IAM_LOAD_MANAGED_POLICIES": "true"},
         )
     try:
         deadline = time.monotonic() + 60
@@ -164,6 +167,28 @@ def test_the_catalogs_ami_exists_in_every_emulated_region(moto_url: str) -> None
         assert [i["ImageId"] for i in images["Images"]] == [skyconf.MOTO_AMI_ID]
 
 
+@pytest.mark.slow
+def test_skypilots_iam_bootstrap_finds_the_seeded_profile_and_creates_nothing(
+    moto_url: str,
+) -> None:
+    import boto3
+    from sky.provision.aws import config as sky_aws_config
+
+    arn = skyconf.seed_iam(moto_url)
+    assert skyconf.seed_iam(moto_url) == arn
+    iam = boto3.resource("iam", region_name="us-east-1", endpoint_url=moto_url,
+                         aws_access_key_id=skyconf.FAKE_ACCESS_KEY_ID,
+                         aws_secret_access_key=skyconf.FAKE_SECRET_ACCESS_KEY)
+    # SkyPilot's own function: on a fresh moto it would put a Version-less inline
+    # policy, which moto (unlike IAM) refuses, failing the first zone's launch.
+    assert sky_aws_config._configure_iam_role(iam) == {"Arn": arn}
+    profile = iam.InstanceProfile(skyconf.SKYPILOT_IAM_NAME)
+    assert [r.name for r in profile.roles] == [skyconf.SKYPILOT_IAM_NAME]
+    attached = {p.arn for p in iam.Role(skyconf.SKYPILOT_IAM_NAME).attached_policies.all()}
+    assert attached == {"arn:aws:iam::aws:policy/AmazonEC2FullAccess",
+                        "arn:aws:iam::aws:policy/AmazonS3FullAccess"}
+
+
 # --- SkyPilot's own CLI and API server --------------------------------------------------
 
 
@@ -171,7 +196,7 @@ def test_the_catalogs_ami_exists_in_every_emulated_region(moto_url: str) -> None
 def sky_home(moto_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     home = tmp_path_factory.mktemp("awsemu")
     skyconf.prepare(home, moto_url, runtime=False)
-    skyconf.seed_vpc(moto_url)
+    skyconf.seed(moto_url)
     skyconf.start_api_server(home)
     try:
         yield home
