@@ -134,6 +134,9 @@ class LauncherAbilities:
     refills_clusters: bool = False
     """Launching onto the failed attempt's cluster keeps its running nodes and adds only
     the missing ones, ranks and rendezvous its own (SkyPilot's provisioner does)."""
+    confirms_down: bool = False
+    """Its ``down`` only asks (SkyPilot's teardown takes minutes): an attempt counts as
+    given back once ``confirm_down`` says its clusters are gone, not when asked."""
 
 
 class LaunchVerb(StrEnum):

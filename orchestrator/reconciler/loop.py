@@ -47,11 +47,13 @@ from orchestrator.domain import reconcile as rc
 from orchestrator.domain.status import IllegalTransition, JobStatus
 from orchestrator.launchers.base import (
     CapacityError,
+    ConfirmsDown,
     Launcher,
     LaunchError,
     LaunchHandle,
     LaunchRequest,
     RefillingLauncher,
+    SubmitUncertain,
     TaskRejected,
 )
 from orchestrator.store import records, repo, work
@@ -75,12 +77,16 @@ class Reconciler:
 
     advise_every_s: float = 60.0
     """How often a running job's checkpoint interval is re-advised."""
+    teardown_poll_s: float = 15.0
+    """How often teardowns asked for and not yet confirmed are polled (each poll is a
+    provider request per cluster: SkyPilot's status is not free)."""
     heard_since: datetime | None = None
     """When this service started hearing agents (set by :meth:`start`): a node's
     silence is counted from then at the earliest (``JobSnapshot.heard_since``)."""
 
     def __post_init__(self) -> None:
         self._last_advice: dict[str, datetime] = {}
+        self._last_teardowns: datetime | None = None
         self.epoch: int | None = None
         """The lease epoch this replica holds (None: not the leader, or it lost it)."""
         self.holder = self.holder or f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
@@ -128,6 +134,15 @@ class Reconciler:
                 self.reconcile(job_id)
             except Exception:
                 log.exception("job %s: reconcile failed", job_id)
+        now = repo.utcnow()
+        if self._last_teardowns is None or (
+            (now - self._last_teardowns).total_seconds() >= self.teardown_poll_s
+        ):
+            self._last_teardowns = now
+            try:
+                self.finish_teardowns(now)
+            except Exception:
+                log.exception("confirming teardowns failed")
 
     def reconcile(self, job_id: str, now: datetime | None = None) -> list[rc.Action]:
         """One gather -> decide -> apply round for one job, fenced by the lease; returns
@@ -293,20 +308,63 @@ class Reconciler:
                     self._down(job_id, replace(part, node_ids=tuple(ids), hosts=tuple(hosts)))
 
     def _give_back(self, s: Session, job_id: str, number: int, reason: str) -> None:
-        """Tear down every launch of the attempt, once (kept nodes included: whoever
-        asks knows they are not used any more)."""
+        """Tear down every launch of the attempt (kept nodes included: whoever asks
+        knows they are not used any more). Asked once here; the attempt is recorded
+        ``downed`` only when every launch is confirmed gone, now or by
+        :meth:`finish_teardowns` on a later tick, which asks again after a failed
+        down: a teardown recorded as done while the cluster bills on is a leak nobody
+        looks for."""
         a = attempt_row(s, job_id, number)
-        if a is None or not a.handle or a.handle.get("downed"):
+        if a is None or not work.teardown_asked(a, reason):
             return
-        for part in parts_of(a):
-            self._down(job_id, part)
-        a.handle = {**a.handle, "downed": reason[:200]}
+        self._teardown(a)
 
-    def _down(self, job_id: str, handle: LaunchHandle) -> None:
+    def _teardown(self, a: Attempt) -> None:
+        """One round of the attempt's teardown: each launch confirmed gone (a launcher
+        that ``confirms_down``), or asked down (again: ``down`` is idempotent)."""
+        left = []
+        for part in parts_of(a):
+            if self.launcher.abilities.confirms_down:
+                # Declared (``confirms_down``); the launchers that declare it implement
+                # ConfirmsDown (tests/reconciler/test_launch_verbs checks).
+                found = cast(ConfirmsDown, self.launcher).confirm_down(part)
+                if found.gone:
+                    continue
+                failed = self._down(a.job_id, part)
+                left.append(f"{part.cluster_name}: {failed or found.detail or 'not gone yet'}")
+            else:  # its down is finished when it returns
+                failed = self._down(a.job_id, part)
+                if failed is not None:
+                    left.append(f"{part.cluster_name}: {failed}")
+        work.teardown_round(a, left)
+
+    def finish_teardowns(self, now: datetime | None = None) -> int:
+        """Confirm (or ask again for) every teardown asked for and not yet confirmed;
+        the number still pending. Fenced: only the leader calls the launcher."""
+        now = now or repo.utcnow()
+        with self.sessionmaker() as s:
+            pending = work.teardowns_pending(s, now)
+        for job_id, number in pending:
+            try:
+                with self.sessionmaker() as s, s.begin():
+                    self._fence(s, now)
+                    a = attempt_row(s, job_id, number)
+                    if a is not None:
+                        self._teardown(a)
+            except work.NotLeader:
+                self.epoch = None
+                return len(pending)
+        with self.sessionmaker() as s:
+            return len(work.teardowns_pending(s, now))
+
+    def _down(self, job_id: str, handle: LaunchHandle) -> str | None:
+        """Ask for ``handle``'s teardown; why it could not be asked (None: asked)."""
         try:
             self.launcher.down(handle)
-        except LaunchError as e:  # the launcher's status shows what is left; retried later
+        except LaunchError as e:  # asked again on a later tick (finish_teardowns)
             log.warning("job %s: giving back %s failed: %s", job_id, handle.cluster_name, e)
+            return str(e) or type(e).__name__
+        return None
 
     def _launch_failed(
         self, s: Session, rows: Rows, number: int, detail: str, capacity: bool, now: datetime,
@@ -389,6 +447,11 @@ class Reconciler:
         before = parts_of(previous) if previous is not None else []
         try:
             parts = self._ask(verb, request, previous, before, plan, s)
+        except SubmitUncertain as e:
+            # The provider may hold the request: the next tick asks for the same key
+            # (adopting what was accepted), never a new one, and no failure is counted.
+            log.warning("job %s: attempt %s: %s; asking again", job.id, number, e)
+            return
         except LaunchError as e:
             work.record_launch_failure(
                 s, job.id, number, placement, str(e), capacity=isinstance(e, CapacityError),

@@ -441,6 +441,52 @@ def launch_request_failed(
     return handles
 
 
+def teardown_asked(a: Attempt, reason: str) -> bool:
+    """Record that the attempt's launches are to be given back; False when they are
+    already (asked, or confirmed gone) or there is nothing to give back."""
+    h = a.handle
+    if not h or h.get("downed") or h.get("down_asked"):
+        return False
+    a.handle = {**h, "down_asked": reason[:200]}
+    return True
+
+
+def teardown_round(a: Attempt, left: list[str]) -> None:
+    """After one round of the teardown: ``downed`` once nothing is ``left`` (every
+    launch confirmed gone); else what is left, for the next round and the operator."""
+    h = dict(a.handle or {})
+    if not left:
+        h.pop("down_pending", None)
+        h["downed"] = str(h.get("down_asked") or "given back")
+        # No cluster of its own any more: teardowns_pending stops looking at it.
+        a.cluster_name = None
+    else:
+        h["down_pending"] = "; ".join(left)[:1000]
+    a.handle = h
+
+
+#: How long a teardown that was never confirmed is still polled (and asked again).
+TEARDOWN_WINDOW = timedelta(days=7)
+
+
+def teardowns_pending(s: Session, now: datetime) -> list[tuple[str, int]]:
+    """(job, attempt) of every teardown asked for and not confirmed, oldest first."""
+    rows = s.scalars(
+        select(Attempt)
+        .where(
+            Attempt.state == AttemptState.ENDED,
+            Attempt.cluster_name.is_not(None),
+            Attempt.ended_at >= now - TEARDOWN_WINDOW,
+        )
+        .order_by(Attempt.ended_at)
+    )
+    return [
+        (a.job_id, a.number)
+        for a in rows
+        if a.handle and a.handle.get("down_asked") and not a.handle.get("downed")
+    ]
+
+
 def end_attempt(a: Attempt, reason: str, now: datetime) -> None:
     a.state = AttemptState.ENDED
     a.ended_at = now
