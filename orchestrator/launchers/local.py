@@ -296,10 +296,18 @@ class LocalLauncher:
         return self.node_dir(job_id, node_id) / "home"
 
     def _pid(self, job_id: str, node_id: str) -> int | None:
-        try:
-            return int((self.node_dir(job_id, node_id) / "agent.pid").read_text())
-        except (OSError, ValueError):
-            return None
+        """The agent's pid: the run section starts it as its child (never exec'd, so
+        that the run exits 0, task_templates/*.yaml) and writes it on the node's disk;
+        the boot's own file (the run's shell) is the fallback for a run of another kind."""
+        for path in (
+            self.node_home(job_id, node_id) / "skyresume" / "agent.pid",
+            self.node_dir(job_id, node_id) / "agent.pid",
+        ):
+            try:
+                return int(path.read_text())
+            except (OSError, ValueError):
+                continue
+        return None
 
     # --- Launcher protocol ------------------------------------------------------------
 

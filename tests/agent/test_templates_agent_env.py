@@ -8,10 +8,13 @@ resolved (``--print-config``) or what a rank received."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -267,3 +270,176 @@ def test_setup_without_a_package_says_the_launcher_sets_it(tmp_path):
     out = _setup(env, "gpt-cpu")  # the template's own SKYRESUME_PACKAGE is empty
     assert out.returncode != 0
     assert "SKYRESUME_PACKAGE" in out.stderr and "launcher" in out.stderr
+
+
+# --- the run section: the agent is a child, and the run exits 0 -------------------------
+#
+# SkyPilot cancels every other node's run as soon as one node's run exits non-zero
+# (SIGTERM, SIGKILL 30 s later: SKYPILOT.md 1.9), which would cut the peers' 90 s grace
+# while they still save. So the run section never execs the agent and exits 0, keeping
+# the agent's code in $HOME/skyresume/agent.exit and its pid in agent.pid.
+
+SLEEPING_RANK = (
+    "import os, time; open(os.environ['RANK_PID'], 'w').write(str(os.getpid())); time.sleep(600)"
+)
+
+
+def _start_run(tmp_path: Path, **extra: str) -> subprocess.Popen[str]:
+    env = node_env(
+        tmp_path, "gpt-cpu", "0",
+        SKYPILOT_NODE_RANK="0", SKYPILOT_NUM_NODES="1", SKYPILOT_NODE_IPS="127.0.0.1",
+        SKYRESUME_RANKS_PER_NODE="1", SKYRESUME_MASTER_PORT=str(free_port()),
+        SKYRESUME_PROVIDER="none", SKYRESUME_METADATA_URL="", SKYRESUME_GRACE_S="10",
+        SKYRESUME_AGENT_HEALTH_CHECKS="off", RANK_PID=str(tmp_path / "rank.pid"),
+        SKYRESUME_COMMAND=f"python -c {shlex.quote(SLEEPING_RANK)}", **extra,
+    )  # fmt: skip
+    env.pop("SKYRESUME_RUN_SERVICE_URL")  # no service: the agent runs the ranks alone
+    return subprocess.Popen(
+        ["bash", "-c", yaml.safe_load((TEMPLATES / "gpt-cpu.yaml").read_text())["run"]],
+        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _wait_for_file(path: Path, proc: subprocess.Popen[str]) -> int:
+    """The pid in ``path`` once it is written (the process still running)."""
+    import time
+
+    while not (path.is_file() and path.read_text().strip()):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    return int(path.read_text())
+
+
+def test_the_run_exits_0_whatever_the_agent_exits_and_keeps_the_agents_code(tmp_path):
+    env = node_env(tmp_path, "gpt-cpu", "0", SKYRESUME_GRACE_S="soon")  # a usage error: 2
+    run = yaml.safe_load((TEMPLATES / "gpt-cpu.yaml").read_text())["run"]
+    out = subprocess.run(
+        ["bash", "-c", run], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "$SKYRESUME_GRACE_S must be a number" in out.stderr  # the agent's own words
+    assert (tmp_path / "home" / "skyresume" / "agent.exit").read_text().strip() == "2"
+    assert "the agent exited 2" in out.stderr
+
+
+def test_a_signal_to_the_run_shell_alone_reaches_the_agent_which_stops_its_ranks(tmp_path):
+    proc = _start_run(tmp_path)
+    try:
+        home = tmp_path / "home" / "skyresume"
+        agent = _wait_for_file(home / "agent.pid", proc)
+        rank = _wait_for_file(tmp_path / "rank.pid", proc)  # the agent's handlers are set
+        assert agent != proc.pid  # agent.pid is the agent's own, not the shell's
+        proc.send_signal(signal.SIGTERM)  # the shell only, not its group
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-3000:]
+        code = int((home / "agent.exit").read_text())
+        assert code not in (128 + signal.SIGTERM, 128 + signal.SIGKILL)  # it exited itself
+        assert not _alive(agent) and not _alive(rank)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_kill_of_the_nodes_process_tree_still_kills_the_agent_and_its_ranks(tmp_path):
+    """What SkyPilot's cancel does (subprocess_daemon's kill_process_tree: the run's
+    process and every descendant, ranks in torchrun's own sessions included), like the
+    local provisioner's down. Nothing of the node survives it."""
+    import psutil
+
+    proc = _start_run(tmp_path)
+    try:
+        agent = _wait_for_file(tmp_path / "home" / "skyresume" / "agent.pid", proc)
+        rank = _wait_for_file(tmp_path / "rank.pid", proc)
+        run = psutil.Process(proc.pid)
+        tree = [run, *run.children(recursive=True)]
+        assert {agent, rank} <= {p.pid for p in tree}
+        for p in tree:
+            p.kill()
+        proc.communicate(timeout=60)
+        _, alive = psutil.wait_procs(tree, timeout=60)
+        assert not alive and not _alive(agent) and not _alive(rank)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+# --- the setup section: what the image lacks, in one line --------------------------------
+
+
+PY = "%d.%d" % sys.version_info[:2]  # noqa: UP031 (as the setup prints it)
+
+
+def _image(tmp_path: Path, **lacks: str) -> dict[str, str]:
+    """A node whose ``python3`` is this interpreter, except for what ``lacks`` says:
+    ``old`` (it reports 3.8), ``pip`` (no pip module), ``torch`` (no torch until the
+    file named exists: a user's setup that installs it)."""
+    env = node_env(tmp_path, "gpt-cpu", "0")
+    fake = (
+        "#!/bin/bash\n"
+        'case "$*" in\n'
+        '  *"version_info < (3, 9)"*) [ -n "${LACKS_OLD:-}" ] && exit 1 ;;\n'
+        '  *"print("*"version_info"*) [ -n "${LACKS_OLD:-}" ] && { echo 3.8; exit 0; } ;;\n'
+        '  "-m pip --version") [ -n "${LACKS_PIP:-}" ] && { echo "No module named pip" >&2; exit 1; } ;;\n'  # noqa: E501
+        '  "-c import torch") [ -n "${LACKS_TORCH:-}" ] && [ ! -e "$LACKS_TORCH" ] && exit 1 ;;\n'
+        "esac\n"
+        f'exec {shlex.quote(sys.executable)} "$@"\n'
+    )
+    (tmp_path / "bin" / "python3").write_text(fake)
+    env.update({f"LACKS_{k.upper()}": v for k, v in lacks.items()})
+    return env
+
+
+@pytest.mark.parametrize(
+    ("lacks", "line"),
+    [
+        ({"old": "1"}, "skyresume setup: python3 3.8 on this image; the agent needs 3.9+ "
+                       "(set resources.image_id to an image with it)"),
+        ({"pip": "1"}, f"skyresume setup: python3 {PY} on this image has no pip"),
+    ],
+    ids=["python-3.8", "no-pip"],
+)  # fmt: skip
+def test_setup_names_what_the_image_lacks_in_one_line_and_fails(tmp_path, lacks, line):
+    env = _image(tmp_path, **lacks)
+    env["SKYRESUME_PACKAGE"] = "skyresume-never-installed"
+    out = _setup(env, "gpt-cpu")
+    assert out.returncode != 0
+    assert out.stderr.strip().startswith(line) and len(out.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "home" / "skyresume" / "pkg").exists()  # nothing was installed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("installed_by_user", [False, True], ids=["no-torch", "user-installs"])
+def test_setup_checks_torch_after_the_users_setup(tmp_path, installed_by_user):
+    """The user's setup runs after the node's (the launcher appends it): torch is
+    looked for when the whole setup is done, so a setup that installs it passes."""
+    wheel = _wheel(tmp_path)
+    torch_marker = tmp_path / "torch-installed"
+    env = _image(tmp_path, torch=str(torch_marker))
+    env["SKYRESUME_PACKAGE"] = (
+        f"file://{wheel}#sha256={hashlib.sha256(wheel.read_bytes()).hexdigest()}"
+    )
+    env["SKYRESUME_PIP_ARGS"] = "--no-index --no-cache-dir"
+    setup = yaml.safe_load((TEMPLATES / "gpt-cpu.yaml").read_text())["setup"]
+    user = f"touch {shlex.quote(str(torch_marker))}\n" if installed_by_user else "true\n"
+    out = subprocess.run(
+        ["bash", "-c", setup + user], env=env, capture_output=True, text=True, timeout=300,
+        check=False,
+    )  # fmt: skip
+    if installed_by_user:
+        assert out.returncode == 0, out.stderr[-3000:]
+    else:
+        assert out.returncode != 0
+        assert (
+            out.stderr.strip()
+            .splitlines()[-1]
+            .startswith("skyresume setup: python3 3.11 on this image cannot import torch")
+        )

@@ -34,9 +34,13 @@ pytestmark = pytest.mark.filterwarnings("ignore::Warning:sky")
 
 YAMLS = Path(__file__).parent / "yamls"
 ROOT = Path(__file__).resolve().parents[2]
-#: The one command every template's run section ends with: the agent, configured
-#: from the environment (orchestrator/agent/main.py: NodeEnv).
-AGENT_START = "exec python3 -P -m orchestrator.agent --from-env"
+#: The one command every template's run section starts the agent with, configured
+#: from the environment (orchestrator/agent/main.py: NodeEnv): as a child of the run's
+#: shell, which then exits 0 (a non-zero run would have SkyPilot cancel the peers).
+AGENT_START = (
+    'python3 -c \'import runpy, sys; sys.path[:1] == [""] and sys.path.pop(0); '
+    'runpy.run_module("orchestrator.agent", run_name="__main__", alter_sys=True)\' --from-env'
+)
 
 P4D = Placement(
     cloud="aws",
@@ -114,7 +118,7 @@ def test_templates_render_into_a_pinned_valid_task(sky, template):
     assert task.secrets["SKYRESUME_AGENT_TOKEN"].get_secret_value() == "tok-123"
     assert "tok-123" not in (task._user_specified_yaml or "")
     assert task.run.lstrip().startswith("set -euo pipefail")
-    assert task.run.rstrip().endswith(AGENT_START)
+    assert task.run.count(AGENT_START) == 1 and task.run.rstrip().endswith("exit 0")
     # setup installs the agent package the launcher names (the run section runs it)
     assert env["SKYRESUME_PACKAGE"] == "skyresume"
     assert '"$SKYRESUME_PACKAGE"' in task.setup
@@ -183,7 +187,8 @@ def test_run_section_starts_the_agent_with_skypilots_node_facts(sky, tmp_path):
     got = _run_section(task, tmp_path, rank=1)
     cfg = got["config"]
     # the run section starts the agent, which takes everything from the environment
-    assert got["argv"] == ["-P", "-m", "orchestrator.agent", "--from-env", "--print-config"]
+    assert got["argv"][0] == "-c" and 'run_module("orchestrator.agent"' in got["argv"][1]
+    assert got["argv"][2:] == ["--from-env", "--print-config"]
     assert cfg["node_rank"] == 1 and cfg["nnodes"] == 2
     assert cfg["nproc_per_node"] == 8 and cfg["expect_gpus"] == 8
     assert cfg["master_addr"] == "10.0.0.11"  # the first of SKYPILOT_NODE_IPS
@@ -241,7 +246,7 @@ def test_user_yaml_any_of_is_kept_and_pinned(sky):
     # the node's own setup (installing the agent) runs first, and its run starts the agent
     template = yaml.safe_load((TEMPLATES_DIR / "skypilot-gpu.yaml").read_text())
     assert task.setup.startswith(template["setup"].rstrip())
-    assert task.run == template["run"] and task.run.rstrip().endswith(AGENT_START)
+    assert task.run == template["run"] and task.run.count(AGENT_START) == 1
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
