@@ -55,6 +55,47 @@ def _unroutable_reason(url: str) -> str | None:
     return None
 
 
+#: DNS names that resolve only inside a private network: single labels (the local search
+#: domain), RFC 6762's .local, RFC 8375's .home.arpa, the clouds' own internal zones
+#: (``ip-10-0-0-5.ec2.internal``, ``vm.c.project.internal``) and the usual site ones.
+_PRIVATE_NAME_SUFFIXES = (".internal", ".local", ".lan", ".home.arpa", ".localdomain",
+                          ".intranet", ".corp", ".private")  # fmt: skip
+#: Carrier-grade NAT space (RFC 6598): not routed on the internet, though Python's
+#: ``is_private`` leaves it out (overlay networks such as Tailscale live there).
+_SHARED_SPACE = ipaddress.ip_network("100.64.0.0/10")
+
+
+def _plain_http_reason(url: str) -> str | None:
+    """Why nodes must reach ``url`` over https (None: they need not). Every heartbeat
+    carries the agent's bearer token and every wheel download the agent's code: over
+    plain http, only a private network may carry them."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host = (parts.hostname or "").strip()
+    except ValueError:
+        return None  # _unroutable_reason names it
+    if parts.scheme != "http" or not host:
+        return None
+    fix = (
+        "the agents' bearer tokens would cross it in clear: use https:// (SKYRESUME_TLS_CERT "
+        "and SKYRESUME_TLS_KEY, or a TLS proxy), or an address on a private network "
+        "(10/8, 172.16/12, 192.168/16, 100.64/10, fc00::/7)"
+    )
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        if "." not in host or host.lower().endswith(_PRIVATE_NAME_SUFFIXES):
+            return None
+        return f"plain http to {host}, a name that may be public: {fix}"
+    if ip.is_private or (ip.version == 4 and ip in _SHARED_SPACE):
+        return None
+    return f"plain http to {host}, a public address: {fix}"
+
+
+class InsecureURL(NotRoutable):
+    """A service URL nodes could reach, but only over the internet in clear."""
+
+
 def require_routable(url: str, *, launcher: str) -> str:
     """``url`` if nodes on other hosts can reach it, else :class:`NotRoutable`.
 
@@ -68,6 +109,12 @@ def require_routable(url: str, *, launcher: str) -> str:
             f"which they cannot reach ({why}): set SKYRESUME_PUBLIC_URL to the URL nodes "
             "reach this service at, e.g. http://<this host's private IP>:8470 or "
             "https://skyresume.example.com"
+        )
+    insecure = _plain_http_reason(url)
+    if insecure is not None:
+        raise InsecureURL(
+            f"the {launcher} launcher would give its nodes the service URL {url!r}: {insecure}"
+            " (SKYRESUME_PUBLIC_URL)"
         )
     return url
 
@@ -227,6 +274,9 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _tls_pair(self) -> Settings:
         if (self.tls_cert is None) != (self.tls_key is None):
+            insecure = _plain_http_reason(v)
+            if insecure is not None:
+                raise ValueError(f"{v!r}: {insecure}")
             given, missing = (
                 ("tls_cert", "tls_key") if self.tls_key is None else ("tls_key", "tls_cert")
             )

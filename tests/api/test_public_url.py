@@ -84,3 +84,57 @@ def test_serve_with_skypilot_on_loopback_is_one_error_line(tmp_path):
     assert out.stderr.startswith("error: bad setting SKYRESUME_LAUNCHER: ")
     assert "set SKYRESUME_PUBLIC_URL" in out.stderr and "127.0.0.1" in out.stderr
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+
+
+# --- https unless the URL is on a private network (SKYPILOT.md defect 15) ---------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://10.0.0.5:8470",
+        "http://172.31.4.2:8470",
+        "http://192.168.1.9",
+        "http://100.100.7.1:8470",  # carrier-grade NAT space (overlays such as Tailscale)
+        "http://[fd00::5]:8470",
+        "http://skyresume:8470",  # one label: the local search domain
+        "http://ip-10-0-0-5.ec2.internal:8470",
+        "http://svc.home.arpa",
+        "https://203.0.113.7:8470",
+        "https://skyresume.example.com",
+    ],
+)
+def test_plain_http_is_allowed_only_on_a_private_network(tmp_path, url):
+    assert Settings(home=tmp_path, public_url=url).public_url == url
+    assert require_routable(url, launcher="skypilot") == url
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("http://54.12.7.9:8470", "plain http to 54.12.7.9, a public address"),
+        ("http://[2600:1f18::5]:8470", "plain http to 2600:1f18::5, a public address"),
+        ("http://skyresume.example.com", "plain http to skyresume.example.com, a name that"),
+    ],
+    ids=["public-ipv4", "public-ipv6", "dns-name"],
+)
+def test_plain_http_to_a_public_address_is_one_bad_setting_line_naming_why(tmp_path, url, why):
+    with pytest.raises(ValidationError) as e:
+        Settings(home=tmp_path, public_url=url)
+    assert why in str(e.value) and "bearer tokens" in str(e.value) and "https://" in str(e.value)
+    with pytest.raises(NotRoutable, match="SKYRESUME_PUBLIC_URL"):
+        require_routable(url, launcher="skypilot")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SKYRESUME_")}
+    env.update(SKYRESUME_HOME=str(tmp_path), SKYRESUME_PUBLIC_URL=url)
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "serve"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr.startswith("error: bad setting SKYRESUME_PUBLIC_URL: ")
+    assert why in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_the_skypilot_launcher_refuses_a_public_http_service_url_too(tmp_path):
+    with pytest.raises(ValidationError, match="a public address"):
+        Settings(home=tmp_path, launcher="skypilot", service_url="http://54.12.7.9:8470")
