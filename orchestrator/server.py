@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from fastapi import FastAPI
 
     from orchestrator.domain.reconcile import ReconcileConfig
@@ -179,6 +181,18 @@ def node_service_url(settings: Settings, launcher: Launcher) -> str:
     return settings.effective_service_url
 
 
+def enrolments(settings: Settings, token: str) -> Callable[[str, int], str]:
+    """What a launch's task carries for its agents: a single-use enrolment token, not
+    the attempt's agent token (SkyPilot keeps task secrets in plaintext in its request
+    database): each node exchanges it at its first register (store/tokens.py)."""
+    from datetime import timedelta
+
+    from orchestrator.store.tokens import enrolment_token
+
+    ttl = timedelta(seconds=settings.enrolment_ttl_s)
+    return lambda job_id, attempt: enrolment_token(token, job_id, attempt, ttl=ttl)
+
+
 def make_launcher(
     settings: Settings, token: str, cleanup: contextlib.ExitStack, wheels: Any = None
 ) -> Launcher:
@@ -189,8 +203,6 @@ def make_launcher(
     one holds nothing of its own (SkyPilot's API server outlives us by design). So
     the release is registered here, on the concrete type, instead of the caller
     probing every launcher for a ``close`` that only one of them has."""
-    from orchestrator.api.auth import job_token
-
     if settings.launcher == "local":
         return _local_launcher(settings, token, cleanup, wheels)
     from orchestrator.launchers.skypilot import SkyPilotLauncher, sky_client_environment
@@ -209,7 +221,7 @@ def make_launcher(
     package = agent_package_spec(settings, wheels)
     return SkyPilotLauncher(
         settings=settings,
-        token_for=lambda j, a: job_token(token, j, a),
+        token_for=enrolments(settings, token),
         package=package,
     )
 
@@ -251,7 +263,6 @@ def _local_launcher(
     the checkpoint store's endpoint and keys passed to nodes as task secrets."""
     import os
 
-    from orchestrator.api.auth import job_token
     from orchestrator.launchers.local import STORAGE_ENV, LocalLauncher
     from orchestrator.package import agent_package_spec
 
@@ -271,7 +282,7 @@ def _local_launcher(
     local = LocalLauncher(
         root,
         url,
-        lambda job_id, attempt: job_token(token, job_id, attempt),
+        enrolments(settings, token),
         provider=settings.local_provider,
         gpu_memory_gib=settings.local_gpu_memory_gib,
         replacement_gpu_memory_gib=settings.local_replacement_gpu_memory_gib,

@@ -174,6 +174,11 @@ class Settings(BaseSettings):
     register_timeout_s: float = Field(default=180.0, gt=0, le=86400)
     """How long a node that is up (its launch request done) may take to register
     before it is lost; provisioning has its own timeout in the job spec."""
+    enrolment_ttl_s: float = Field(default=3600.0, gt=0, le=7 * 86400)
+    """How long the enrolment token a launch's task carries stays good: provisioning
+    plus setup. Each node spends it at its first register, for the attempt's agent
+    token; after this, or for a node already enrolled, it opens nothing (docs/
+    control-plane.md: Tokens and roles)."""
     launcher: str = "local"
     """``local`` (nodes as process sessions on this machine) or ``skypilot``."""
     local_provider: str = "aws"
@@ -269,14 +274,14 @@ class Settings(BaseSettings):
                     f"{v!r} is not a URL nodes can reach ({why}); give the address nodes "
                     "connect to, e.g. http://<this host's private IP>:8470"
                 )
+            insecure = _plain_http_reason(v)
+            if insecure is not None:
+                raise ValueError(f"{v!r}: {insecure}")
         return v
 
     @model_validator(mode="after")
     def _tls_pair(self) -> Settings:
         if (self.tls_cert is None) != (self.tls_key is None):
-            insecure = _plain_http_reason(v)
-            if insecure is not None:
-                raise ValueError(f"{v!r}: {insecure}")
             given, missing = (
                 ("tls_cert", "tls_key") if self.tls_key is None else ("tls_key", "tls_cert")
             )

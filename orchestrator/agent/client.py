@@ -140,6 +140,11 @@ class ServiceClient:
     def register(self, body: dict[str, Any]) -> Answer:
         return self.request("POST", "/register", body)
 
+    def use_token(self, token: str) -> None:
+        """From now on, present ``token``: the attempt's agent token, which register
+        hands back for the single-use enrolment token a launched task carries."""
+        self._token = token
+
     def heartbeat(self, body: dict[str, Any]) -> Answer:
         return self.request("POST", "/heartbeat", body)
 

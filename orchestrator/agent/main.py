@@ -892,6 +892,12 @@ class Agent:
         if ans.status != 200 or not isinstance(ans.body, dict):
             log.error("register refused: HTTP %s %s", ans.status, ans.body)
             return False
+        issued = ans.body.get("agent_token")
+        if isinstance(issued, str) and issued:
+            # The enrolment token the task carried is spent: everything after this
+            # (a register again included) carries the attempt's token, held only here.
+            self.client.use_token(issued)
+            log.info("enrolled: the service issued this attempt's agent token")
         self.cursor = max(self.cursor, int(ans.body.get("command_cursor") or 0))
         self._registered.set()
         log.info("registered (command cursor %d)", self.cursor)

@@ -60,7 +60,7 @@ from orchestrator.api.schemas import MAX_CURSOR, NODE_ID_PATTERN, NodeId, no_par
 from orchestrator.contract import AGENT_PROTOCOL
 from orchestrator.domain.roles import Role
 from orchestrator.domain.spec import INT32_MAX, INT64_MAX, MAX_DETAIL_CHARS, refuse_unstorable
-from orchestrator.store import agents
+from orchestrator.store import agents, tokens
 from orchestrator.store.liveness import LiveHeartbeats, Verdict
 from orchestrator.store.models import NodeCommand
 from orchestrator.store.repo import NotFound
@@ -95,6 +95,16 @@ async def require_job_access(
     token = bearer_token(request)
     if token is None:
         raise unauthorized("missing bearer token (Authorization: Bearer <token>)")
+    if token.startswith(tokens.ENROLMENT_PREFIX):
+        # What a launched task carries: it opens register alone, which spends it for
+        # that node and hands back the attempt's agent token (``register``).
+        if request.method == "POST" and request.url.path.endswith("/register"):
+            request.state.enrolment = token
+            return
+        raise unauthorized(
+            "an enrolment token opens only register (once per node); every other request "
+            "carries the agent token that register returned"
+        )
     if token.startswith(AGENT_TOKEN_PREFIX):
         if token_matches(token, job_token(request.app.state.token, job_id, attempt)):
             return
@@ -186,6 +196,9 @@ class RegisterOut(BaseModel):
     heartbeat_s: float
     command_cursor: int
     """Long-poll commands after this id (what this node already acknowledged)."""
+    agent_token: str | None = None
+    """This attempt's agent token, when the register came with an enrolment token (a
+    launched task's, spent by this register): every later request carries it."""
     service_version: str = __version__
     protocol: int = AGENT_PROTOCOL
 
@@ -441,11 +454,18 @@ def register(
             status.HTTP_409_CONFLICT, refused, headers={REFUSED_HEADER: AGENT_VERSION_REFUSED}
         )
     live: LiveHeartbeats = request.app.state.liveness
+    enrolment: str | None = getattr(request.state, "enrolment", None)
     # The node's batched beat goes first, in this transaction: the cursor handed back
     # must count its newest ack, and a later flush of it must not undo the register.
     pending = live.take(job_id, node_id)
     try:
         with _transaction(request) as session:
+            if enrolment is not None:
+                # Spent in the register's own transaction: a register that fails (409,
+                # 404) leaves the enrolment for the node to try again.
+                tokens.use_enrolment(
+                    session, request.app.state.token, enrolment, job_id, attempt, node_id
+                )
             if pending is not None:
                 agents.store_heartbeats(session, [pending])
             reg = agents.register_node(
@@ -466,9 +486,13 @@ def register(
             live.restore([pending])
         if isinstance(e, NotFound | agents.NotCurrent):
             raise _translate(e) from None
+        if isinstance(e, tokens.EnrolmentRefused):
+            log.warning("refused the enrolment of node %s (job %s): %s", node_id, job_id, e)
+            raise unauthorized(str(e)) from None
         raise
     live.registered(job_id, attempt, node_id)
-    return RegisterOut(heartbeat_s=HEARTBEAT_S, command_cursor=cursor)
+    issued = job_token(request.app.state.token, job_id, attempt) if enrolment else None
+    return RegisterOut(heartbeat_s=HEARTBEAT_S, command_cursor=cursor, agent_token=issued)
 
 
 @_node_router.post("/heartbeat")

@@ -246,3 +246,18 @@ class DashboardSession(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class AgentEnrolment(Base):
+    """One node's enrolment: the node exchanged the enrolment token its launch's task
+    carried (``sre_...``, stored as its sha256) for the attempt's agent token, at its
+    first register. A second register with the same token and node is a replay and is
+    refused (``orchestrator/store/tokens.py: use_enrolment``)."""
+
+    __tablename__ = "agent_enrolments"
+
+    token_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    node_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    used_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

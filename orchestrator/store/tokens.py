@@ -25,7 +25,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from orchestrator.domain.roles import Role
-from orchestrator.store.models import ApiToken, DashboardSession
+from orchestrator.store.models import AgentEnrolment, ApiToken, Attempt, DashboardSession
 from orchestrator.store.repo import NotFound
 
 #: What operator tokens and session ids start with: a log scrubber (and a person
@@ -207,3 +207,101 @@ def revoke_all_sessions(session: Session, *, now: datetime | None = None) -> int
         .values(revoked_at=now)
     )
     return int(ended.rowcount or 0)  # type: ignore[attr-defined]
+
+
+# --- agent enrolment (the token a launched task carries) -------------------------------
+#
+# A launch's task carries an enrolment token, never the attempt's agent token: SkyPilot
+# stores the task (secrets included) in plaintext in its request database, returns it
+# from /api/status, and writes it into the driver scripts on the head (SKYPILOT.md
+# 1.13). Each node exchanges the enrolment token once, at its first register, for the
+# attempt's agent token (``auth.job_token``, which it keeps in memory only), and the
+# exchange is a row here: the same token and node again is a replay, refused. Past
+# ``expires`` (a launch's provisioning and setup time, SKYRESUME_ENROLMENT_TTL_S) it
+# opens nothing either. So the copy SkyPilot keeps is spent once the nodes are up.
+#
+# The token itself is stateless (like the agent token: minting writes nothing, so a
+# launcher can mint inside the reconciler's transaction, on any replica):
+# ``sre_<expires, unix seconds, hex>.<nonce>.<HMAC-SHA256 of job, attempt, expires,
+# nonce>``, keyed by a key derived from the bootstrap token.
+
+ENROLMENT_PREFIX = "sre_"
+_ENROLMENT_KEY_LABEL = b"skyresume enrolment tokens v1"
+_ENROLMENT = re.compile(r"^sre_([0-9a-f]{1,12})\.([A-Za-z0-9_-]{16,64})\.([0-9a-f]{64})$")
+
+
+class EnrolmentRefused(ValueError):
+    """The enrolment token opens nothing (the message says why); the API answers 401."""
+
+
+def _enrolment_mac(service_token: str, job_id: str, attempt: int, expires: int, nonce: str) -> str:
+    key = hmac.new(service_token.encode(), _ENROLMENT_KEY_LABEL, hashlib.sha256).digest()
+    msg = f"{job_id}\n{int(attempt)}\n{expires}\n{nonce}".encode()
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()
+
+
+def enrolment_token(
+    service_token: str, job_id: str, attempt: int, *, ttl: timedelta, now: datetime | None = None
+) -> str:
+    """A new enrolment token for the nodes of one launch of ``attempt`` of ``job_id``,
+    valid for ``ttl`` and once per node."""
+    expires = int(((now or utcnow()) + ttl).timestamp())
+    nonce = secrets.token_urlsafe(16)
+    mac = _enrolment_mac(service_token, job_id, attempt, expires, nonce)
+    return f"{ENROLMENT_PREFIX}{expires:x}.{nonce}.{mac}"
+
+
+def use_enrolment(
+    session: Session,
+    service_token: str,
+    plain: str,
+    job_id: str,
+    attempt: int,
+    node_id: str,
+    *,
+    now: datetime | None = None,
+) -> None:
+    """Spend ``plain`` for ``node_id`` (one of ``<job>-a<attempt>-n<k>``, k below the
+    attempt's node count), or :class:`EnrolmentRefused` naming why: not one of ours,
+    another attempt's, expired, or already used by this node (a replay)."""
+    now = now or utcnow()
+    m = _ENROLMENT.match(plain)
+    if m is None:
+        raise EnrolmentRefused("not an enrolment token")
+    expires, nonce, mac = int(m.group(1), 16), m.group(2), m.group(3)
+    want = _enrolment_mac(service_token, job_id, attempt, expires, nonce)
+    if not hmac.compare_digest(mac, want):
+        raise EnrolmentRefused(f"this enrolment token is not for attempt {attempt} of job {job_id}")
+    if now.timestamp() >= expires:
+        at = datetime.fromtimestamp(expires, UTC).isoformat(timespec="seconds")
+        raise EnrolmentRefused(
+            f"this enrolment token expired at {at} (SKYRESUME_ENROLMENT_TTL_S after its launch)"
+        )
+    nodes = session.scalar(
+        select(Attempt.num_nodes).where(Attempt.job_id == job_id, Attempt.number == attempt)
+    )
+    k = node_id.removeprefix(f"{job_id}-a{attempt}-n")
+    if nodes is None or not (k.isascii() and k.isdigit() and len(k) < 6 and int(k) < nodes):
+        raise EnrolmentRefused(
+            f"node {node_id!r} is not a node of attempt {attempt} of job {job_id} "
+            f"({nodes or 0} nodes: {job_id}-a{attempt}-n0...)"
+        )
+    token_hash = digest(plain)
+    used = session.get(AgentEnrolment, (token_hash, node_id))
+    if used is None:
+        try:
+            with session.begin_nested():
+                row = AgentEnrolment(
+                    token_hash=token_hash, node_id=node_id, job_id=job_id, attempt=attempt,
+                    used_at=now,
+                )  # fmt: skip
+                session.add(row)
+                session.flush()
+            return
+        except IntegrityError:  # another register of the same node won the race
+            used = session.get(AgentEnrolment, (token_hash, node_id))
+    when = _utc(used.used_at).isoformat(timespec="seconds") if used is not None else "just now"
+    raise EnrolmentRefused(
+        f"this enrolment token was already used by node {node_id} at {when}: a replay "
+        "(a registered agent presents the agent token its register returned)"
+    )

@@ -60,6 +60,7 @@ def test_register_then_heartbeat_stores_the_node_and_its_ranks(client, job):
     assert r.json() == {
         "heartbeat_s": 1.0,
         "command_cursor": 0,
+        "agent_token": None,  # issued only for an enrolment token (test_enrolment.py)
         "service_version": __version__,
         "protocol": AGENT_PROTOCOL,
     }

@@ -43,7 +43,15 @@ def shown(cmdline: bytes) -> str:
 
 
 def is_agent(cmdline: bytes) -> bool:
-    return b"orchestrator.agent" in cmdline.split(b"\0")
+    # ``-m orchestrator.agent``, or the templates' ``-c '...run_module("orchestrator.agent"...'``
+    return any(
+        a == b"orchestrator.agent" or b'run_module("orchestrator.agent"' in a
+        for a in cmdline.split(b"\0")
+    )
+
+
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
 
 
 @pytest.fixture
@@ -74,7 +82,17 @@ def test_no_node_process_but_the_agent_holds_a_token_and_no_log_line_does(servic
              if any(v.startswith(b"LOCAL_RANK=") for v in env.split(b"\0"))]  # fmt: skip
     # The scan sees the real thing: both agents, torchrun and the ranks.
     assert len(agents) == 2 and len(ranks) >= 2, [shown(c) for _, c in procs.values()]
-    assert all(agent_token.encode() in procs[p][0] for p in agents), "the agents got their token"
+    # The task carries a single-use enrolment token (SkyPilot stores task secrets in
+    # plaintext): the agents started with it, and hold the attempt's token in memory only.
+    assert all(b"SKYRESUME_AGENT_TOKEN=sre_" in procs[p][0] for p in agents), "enrolment tokens"
+    assert not any(agent_token.encode() in procs[p][0] for p in agents)
+    # Only the agent and the run's shell that started it (its environment is fixed at
+    # its exec) ever held the enrolment token: nothing the agent starts does.
+    holders = {*agents, *(parent(p) for p in agents)}
+    assert not [
+        shown(cmd) for p, (env, cmd) in procs.items()
+        if p not in holders and b"SKYRESUME_AGENT_TOKEN=" in env
+    ]  # fmt: skip
     leaks = [
         f"pid {pid} ({shown(cmd)}) holds {what} in its {where}"
         for pid, (env, cmd) in others.items()
