@@ -1333,8 +1333,17 @@ def _record_relaunch(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[
     ):
         skip = (resume_step + 1, inc.onset_step + s.spec.restarts.skip_after_onset)
     times = [r.step_time for n in a.nodes for r in n.ranks if r.step_time is not None]
+    own = s.spec.checkpoint.own
+    plain = s.plain or s.spec.task.framework == "plain"
+    start = (
+        f"resuming at step_{want}"
+        if stage_from is not None
+        else f"passing {own.resume_arg} {own.path} where a node has it"
+        if plain and own is not None
+        else "from scratch"
+    )  # the status says where the relaunch starts (CONFIRM's finding)
     return [
-        SetStatus(JobStatus.PROVISIONING, f"launching attempt {inc.attempt + 1}"),
+        SetStatus(JobStatus.PROVISIONING, f"launching attempt {inc.attempt + 1}, {start}"),
         RecordAttempt(
             inc.attempt + 1,
             inc.event_id,

@@ -414,3 +414,20 @@ def test_validate_names_the_resume_reports_it_rests_on():
     out = rc.decide(snap(status=S.PROVISIONING, attempt=a2, incident=incident(P.VALIDATE)))
     assert out[0].detail == "all 4 ranks resumed at step 40 (each rank's resume report)"
     assert out[0].result == rc.ResumeValidated(40)  # a measured start-up, for the next
+
+
+@pytest.mark.parametrize(
+    ("spec_", "plain", "confirmed", "says"),
+    [
+        (SPEC, False, rc.ConfirmedCheckpoint(40, "file:///ckpt/step_40"), "resuming at step_40"),
+        (SPEC, False, rc.ConfirmedCheckpoint(None), "from scratch"),
+        (SPEC, True, rc.ConfirmedCheckpoint(None), "from scratch"),
+        (PLAIN_OWN, True, rc.ConfirmedCheckpoint(None), "passing --snapshot_path /shared"),
+    ],
+    ids=["checkpoint", "none", "plain-without-own", "plain-own"],
+)
+def test_the_relaunch_status_says_where_it_starts(spec_, plain, confirmed, says):
+    sel = rc.Selection(rc.rm.remedy_for(F.PREEMPTION_NOTICE), R1, rc.LaunchVerb.LAUNCH)
+    inc = replace(incident(P.LAUNCH), confirmed=confirmed, selection=sel)
+    out = rc.decide(snap(spec=spec_, status=S.RECOVERING, incident=inc, plain=plain))
+    assert says in statuses_reason(out, S.PROVISIONING)
