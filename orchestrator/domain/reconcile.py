@@ -1446,7 +1446,7 @@ def _launch(
             placement,
             f"{last.region} had no capacity for {last.instance_type} (cooling down); "
             f"waited {wait:.1f} s; now {choice.reason}",
-        )
+        ),
     ]
 
 

@@ -12,9 +12,11 @@ Each node is a host of its own where the kernel allows (we are root here and in
 CI): a network namespace on a bridge (:mod:`orchestrator.launchers.netns`) with its
 own IP, its provider's metadata endpoint at the real link-local address, and its
 own home directory as its disk. Its setup installs the agent from the service's own
-wheel, as on a cloud. Where namespaces are unavailable the launcher says so and
-falls back to shared loopback (``network="loopback"``), with the metadata URL given
-to the agent instead.
+wheel, as on a cloud. A node kept across attempts (a restart on the same machines,
+as ``sky exec``) keeps that disk: the new attempt's node runs on the kept machine's
+home, with the script's own files and the package its setup installed. Where
+namespaces are unavailable the launcher says so and falls back to shared loopback
+(``network="loopback"``), with the metadata URL given to the agent instead.
 
 Every process of a node carries an environment marker (``SKYRESUME_LOCAL_NODE``)
 that its agent, torchrun and every rank inherit, so the node can be found and
@@ -295,6 +297,23 @@ class LocalLauncher:
         and what it stages under ``$HOME/skyresume/node``)."""
         return self.node_dir(job_id, node_id) / "home"
 
+    def _keep_disk(self, job_id: str, kept: str, node_id: str) -> None:
+        """Node ``node_id`` runs on the machine ``kept`` ran on, so it has that machine's
+        disk, as a cloud VM that stays keeps its own: the script's own snapshot and the
+        agent package its setup installed (a restart runs no setup) are still there.
+        Without it the kept node's run found an empty home, and its agent ran from the
+        image's (the service's) environment instead of the served package (issue 27).
+        Its id (logs, marker) is the new attempt's; its home is the machine's."""
+        home = self.node_home(job_id, node_id)
+        if home.is_symlink() or home.exists():
+            return  # this launch's disk is settled already (a second look at the request)
+        disk = self.node_home(job_id, kept).resolve()  # the machine's disk, however kept
+        disk.mkdir(parents=True, exist_ok=True)
+        # The last run's agent pid is not this node's agent: a kill-agent aimed at it
+        # could hit a reused pid. The new run writes its own.
+        (disk / "skyresume" / "agent.pid").unlink(missing_ok=True)
+        home.symlink_to(disk, target_is_directory=True)
+
     def _pid(self, job_id: str, node_id: str) -> int | None:
         """The agent's pid: the run section starts it as its child (never exec'd, so
         that the run exits 0, task_templates/*.yaml) and writes it on the node's disk;
@@ -507,6 +526,8 @@ class LocalLauncher:
         for k, node_id in enumerate(node_ids):
             d = self.node_dir(job, node_id)
             (d / "logs").mkdir(parents=True, exist_ok=True)
+            if previous is not None and k < len(previous.node_ids):
+                self._keep_disk(job, previous.node_ids[k], node_id)
             self.metadata.node(node_id)  # the endpoint answers from boot
             if net[k] is not None:
                 fabric.start_metadata(net[k], self.metadata.node_url(node_id), self.python)

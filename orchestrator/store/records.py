@@ -204,3 +204,14 @@ def restarted_in_place(a: Attempt) -> bool:
     if verb is rc.LaunchVerb.JOIN_SURVIVORS:
         return len(launch_plan_of(a).keep) >= a.num_nodes
     return verb is rc.LaunchVerb.RESTART_IN_PLACE
+
+
+def resume_validated(stored: dict[str, Any] | None) -> rc.ResumeValidated | None:
+    """VALIDATE's result when every rank's resume report ended it (None: it ended on
+    something else, a plain run or a finished one, which measures no start-up)."""
+    raw = (stored or {}).get("resumed_step")
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int):
+        raise StoredRecordError(f"validate result: 'resumed_step' is not an integer: {raw!r}")
+    return rc.ResumeValidated(raw)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -213,3 +214,66 @@ def launcher_handle(launcher: LocalLauncher, job: str):  # type: ignore[no-untyp
     from orchestrator.launchers.base import LaunchHandle
 
     return LaunchHandle(f"{job}-a1", "local", (f"{job}-a1-n0",), ("local-host0",))
+
+
+def _agent_of(job: str, node: str, within_s: float = 60.0) -> int:
+    """The node's agent process (found by the node's marker and its module)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        for pid in node_pids(job, node):
+            with contextlib.suppress(OSError):
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                # The python running the agent, not the run's shell (its script names it).
+                is_python = b"python" in os.path.basename(argv[0])
+                if is_python and b"orchestrator.agent" in b" ".join(argv):
+                    return pid
+        time.sleep(0.2)
+    raise AssertionError(f"no agent of {node} found in {within_s} s")
+
+
+def test_a_node_kept_across_attempts_keeps_its_disk_and_its_served_package(loopback):
+    """As a cloud VM that stays keeps its disk: the kept machine's next run finds the
+    script's own snapshot and the agent package its setup installed (a restart runs
+    no setup), and its agent runs from that package, not the image's skyresume."""
+    launcher = loopback
+    first = launcher.launch(_request("j8", nodes=1))
+    _wait(launcher, first, LaunchPhase.UP)
+    (node,) = first.node_ids
+    home = launcher.node_home("j8", node)
+    served = home / "skyresume" / "pkg" / "orchestrator" / "agent" / "__main__.py"
+    assert served.exists()  # the first launch's setup installed the served wheel
+    (home / "snapshot.pt").write_bytes(b"epoch 1720")  # what the script saved there
+    # The attempt ends; the machine stays (kept for the next attempt, not given back).
+    launcher.kill_node("j8", node)
+    assert _gone("j8", first.node_ids)
+
+    second = launcher.restart(first, replace(_request("j8", nodes=1), attempt=2))
+    try:
+        _wait(launcher, second, LaunchPhase.UP)
+        (kept,) = second.node_ids
+        assert kept != node and second.hosts == first.hosts  # a new node id, the same machine
+        new_home = launcher.node_home("j8", kept)
+        assert (new_home / "snapshot.pt").read_bytes() == b"epoch 1720"
+        env = _environ(_agent_of("j8", kept))
+        assert Path(env["HOME"]).resolve() == home.resolve()
+        pkg = env["PYTHONPATH"].split(":")[0]
+        assert Path(pkg).resolve() == (home / "skyresume" / "pkg").resolve()
+        assert (Path(pkg) / "orchestrator" / "agent" / "__main__.py").exists()
+    finally:
+        launcher.down(second)
+        launcher.down(first)
+    assert _gone("j8", (*first.node_ids, *second.node_ids))
+
+
+def test_a_fresh_launch_gets_a_fresh_disk(loopback):
+    launcher = loopback
+    first = launcher.launch(_request("j9", nodes=1))
+    _wait(launcher, first, LaunchPhase.UP)
+    (launcher.node_home("j9", first.node_ids[0]) / "snapshot.pt").write_bytes(b"x")
+    launcher.down(first)
+    second = launcher.launch(replace(_request("j9", nodes=1), attempt=2))
+    try:
+        _wait(launcher, second, LaunchPhase.UP)
+        assert not (launcher.node_home("j9", second.node_ids[0]) / "snapshot.pt").exists()
+    finally:
+        launcher.down(second)
