@@ -84,7 +84,7 @@ def test_advise_table_names_interval_and_lost_time(app: typer.Typer) -> None:
         app, ["advise", "--gpus", "512", "--save-seconds", "60", "--restart-seconds", "600"]
     )
     assert r.exit_code == 0
-    assert "109.0 min" in r.stdout
+    assert "108.3 min" in r.stdout  # Daly's: Young's 109.0 min, less the 1-minute save
     assert "2.00%" in r.stdout
 
 
