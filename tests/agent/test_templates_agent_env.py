@@ -443,3 +443,18 @@ def test_setup_checks_torch_after_the_users_setup(tmp_path, installed_by_user):
             .splitlines()[-1]
             .startswith("skyresume setup: python3 3.11 on this image cannot import torch")
         )
+
+
+@pytest.mark.slow
+def test_setup_installs_the_served_wheel_for_a_python_3_9_node(tmp_path):
+    """pip judges ``Requires-Python`` (the service's >=3.11) against the node's Python;
+    ``--python-version 3.9`` has this pip judge as a 3.9 node's would. The setup's
+    install still takes the wheel: what a node runs of it is checked for 3.9 in CI."""
+    wheel = _wheel(tmp_path)
+    sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    env = node_env(tmp_path, "gpt-cpu", "0")
+    env["SKYRESUME_PACKAGE"] = f"file://{wheel}#sha256={sha}"
+    env["SKYRESUME_PIP_ARGS"] = "--no-index --no-cache-dir --python-version 3.9 --only-binary=:all:"
+    out = _setup(env, "gpt-cpu")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "home" / "skyresume" / "pkg" / "orchestrator" / "agent").is_dir()
