@@ -277,7 +277,7 @@ class Reconciler:
             case rc.Release(attempt=number, reason=reason, keep_nodes=keep, release_nodes=gone):
                 self._release(s, job_id, number, reason, now, keep_nodes=keep, release=gone)
             case rc.MarkValidated(attempt=number, step=step):
-                work.mark_validated(s, job_id, number, step)
+                work.mark_validated(s, job_id, number, step, now)
 
     def _set_status(
         self, s: Session, job_id: str, st: JobStatus, reason: str, now: datetime

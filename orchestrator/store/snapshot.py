@@ -216,7 +216,7 @@ def gather_snapshot(
         abilities=launcher.abilities,
         restarts_done=job.restart_count,
         blocking_save_s=_blocking_save_s(s, job_id),
-        startup_s=_startups(s, job_id),
+        startup_s=_startups(s, job_id) + _validated_startups(s, job_id),
         plain=_noticed_plain(s, job_id),
     )
     return snap, rows
@@ -246,6 +246,17 @@ def _startups(s: Session, job_id: str) -> tuple[float, ...]:
     out = []
     for e in ends.values():
         up, ok = e.get(str(ProtocolStep.LAUNCH)), e.get(str(ProtocolStep.VALIDATE))
+        if up is not None and ok is not None and ok >= up:
+            out.append((ok - up).total_seconds())
+    return tuple(out)
+
+
+def _validated_startups(s: Session, job_id: str) -> tuple[float, ...]:
+    """Each validated attempt's start-up, the first one's included: its handle's
+    ``up_at`` (every node up) to ``validated_at`` (every rank's resume report)."""
+    out = []
+    for a in s.scalars(select(Attempt).where(Attempt.job_id == job_id)):
+        up, ok = _when(a.handle, "up_at"), _when(a.handle, "validated_at")
         if up is not None and ok is not None and ok >= up:
             out.append((ok - up).total_seconds())
     return tuple(out)

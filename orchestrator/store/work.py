@@ -493,10 +493,15 @@ def end_attempt(a: Attempt, reason: str, now: datetime) -> None:
     a.end_reason = reason[:2000]
 
 
-def mark_validated(s: Session, job_id: str, number: int, step: int) -> None:
+def mark_validated(
+    s: Session, job_id: str, number: int, step: int, now: datetime | None = None
+) -> None:
     a = attempt_row(s, job_id, number)
     if a is not None:
         a.validated_step = step
+        if now is not None and a.handle and "validated_at" not in a.handle:
+            # With the handle's up_at, a measured start-up (the validate timeout's).
+            a.handle = {**a.handle, "validated_at": now.isoformat()}
         if a.state in (AttemptState.LAUNCHING, AttemptState.RUNNING):
             a.state = AttemptState.RUNNING
 

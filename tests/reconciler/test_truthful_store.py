@@ -7,11 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_protocol_store import World
+from test_protocol_store import World, start_running
 
 from orchestrator.store import agents, repo
 from orchestrator.store.incidents import incidents
 from orchestrator.store.models import FailureEvent
+from orchestrator.store.snapshot import gather_snapshot
 
 
 @pytest.fixture
@@ -80,3 +81,13 @@ def test_a_stop_the_ranks_died_of_is_never_called_a_save(world):
     signal = next(st for st in inc["steps"] if st["step"] == "signal")
     assert signal["detail"].startswith("every rank stopped; no save reported")
     assert "rank 2 ended with signal SIGTERM" in signal["detail"]
+
+
+def test_the_first_attempt_s_start_up_is_measured_for_the_validate_timeout(world):
+    """Nodes up, then every rank's resume report: that start-up is what the next
+    attempts' validate timeout scales (3x, at least 120 s)."""
+    w = world
+    start_running(w)  # up at one tick, validated at the next (1 s apart)
+    with w.sm() as s:
+        snap, _ = gather_snapshot(s, w.job, w.now, w.launcher)
+    assert snap.startup_s == (1.0,)
