@@ -450,8 +450,8 @@ class JobSnapshot:
     unanswered while the service itself was down (a restart, a crash) say nothing
     about the nodes, so a restart never turns into every node lost."""
     startup_s: tuple[float, ...] = ()
-    """Measured start-ups of the job's earlier attempts: seconds from their nodes being
-    up to every rank having reported what it resumed from (LAUNCH's end to VALIDATE's)."""
+    """Measured start-ups of the job's validated attempts: seconds from their nodes being
+    up to every rank having reported what it resumed from."""
     plain: bool = False
     """A ``plain_script`` event was recorded for the job: its ranks send no progress
     reports, and it runs under the plain-script contract from then on."""
