@@ -240,7 +240,9 @@ def _startups(s: Session, job_id: str) -> tuple[float, ...]:
         at = utc(r.finished_at)
         # Only a VALIDATE that every rank's resume report ended measures a start-up (a
         # plain run's or a finished run's ends on something else).
-        measured = r.step != str(ProtocolStep.VALIDATE) or "resumed_step" in (r.result or {})
+        measured = (
+            r.step != str(ProtocolStep.VALIDATE) or records.resume_validated(r.result) is not None
+        )
         if at is not None and measured:
             ends.setdefault(r.incident_id, {})[r.step] = at
     out = []
