@@ -407,6 +407,7 @@ def test_the_launchers_that_declare_an_ability_implement_it():
         assert not ab.refills_clusters or callable(getattr(cls, "refill", None)), cls
         assert not ab.confirms_down or callable(getattr(cls, "confirm_down", None)), cls
     assert SkyPilotLauncher.abilities.refills_clusters
+    assert SkyPilotLauncher.abilities.confirms_down  # its teardown takes minutes
 
 
 # --- the store's records ----------------------------------------------------------------
