@@ -895,7 +895,7 @@ class SkyPilotLauncher:
             require_image=True,
         )
 
-    def render(self, request: LaunchRequest, task: TaskSpec | None = None) -> str:
+    def render_yaml(self, request: LaunchRequest, task: TaskSpec | None = None) -> str:
         """The SkyPilot task YAML a launch of ``request`` would submit, as SkyPilot
         reads it (:func:`task_yaml`): nothing is asked of SkyPilot's API server."""
         return task_yaml(self.build(request, task))
@@ -1553,5 +1553,5 @@ def render_job(spec: JobSpec, *, launcher: Any = None, settings: Any = None) -> 
     return RenderedTask(
         cluster_name=cluster_name_for(request.job_id, request.attempt),
         placement=what,
-        task_yaml=builder.render(request, spec.task),
+        task_yaml=builder.render_yaml(request, spec.task),
     )

@@ -130,9 +130,9 @@ def test_a_users_image_wins_over_the_settings_default(sky):
     }
 
 
-def test_render_is_the_pinned_task_as_skypilot_reads_it_with_secrets_redacted(sky):
+def test_render_yaml_is_the_pinned_task_as_skypilot_reads_it_with_secrets_redacted(sky):
     launcher = SkyPilotLauncher(token_for=lambda j, a: "tok-s3cr3t")
-    text = launcher.render(request(A2), TaskSpec(skypilot_yaml=str(OWN)))
+    text = launcher.render_yaml(request(A2), TaskSpec(skypilot_yaml=str(OWN)))
     doc = yaml.safe_load(text)
     res = doc["resources"]
     assert res["infra"] == "gcp/us-central1" and res["instance_type"] == "a2-highgpu-8g"
