@@ -25,7 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
 
 from orchestrator.contract import AttemptState, CommandType, EventKind, ExitCode
 from orchestrator.domain import remedy as rm
