@@ -91,6 +91,11 @@ def api_server(sky_home: Path, sky: Any) -> Iterator[dict[str, Any]]:
         forget_server_url()
 
 
+#: A node image with torch (without one the launcher refuses the task). A container
+#: image: a GCP image's first validation costs seconds, which the timed launch would pay.
+IMAGE = "docker:pytorch/pytorch:2.3.0-cuda12.1-cudnn8-runtime"
+
+
 def request(attempt: int = 1) -> LaunchRequest:
     return LaunchRequest(job_id="j-real", attempt=attempt, placement=A2, command="python t.py")
 
@@ -99,7 +104,7 @@ def test_a_real_launch_returns_at_once_and_fails_inside_skypilot(api_server, cap
     from sky.server import common
 
     assert common.get_server_url() == f"http://127.0.0.1:{api_server['port']}"
-    launcher = SkyPilotLauncher(poll_timeout_s=5.0)
+    launcher = SkyPilotLauncher(poll_timeout_s=5.0, image_id=IMAGE)
     t0 = time.monotonic()
     handle = launcher.launch(request())
     launch_s = time.monotonic() - t0
@@ -136,7 +141,7 @@ def test_a_real_launch_returns_at_once_and_fails_inside_skypilot(api_server, cap
     relaunch_s = time.monotonic() - t1
     assert again.request_id == handle.request_id
     # after a service restart too: the request comes from SkyPilot, not from memory
-    fresh = SkyPilotLauncher(poll_timeout_s=5.0)
+    fresh = SkyPilotLauncher(poll_timeout_s=5.0, image_id=IMAGE)
     assert fresh.launch(request()).request_id == handle.request_id
     assert fresh.progress(handle).detail == final.detail
 
@@ -163,11 +168,14 @@ def test_a_real_launch_returns_at_once_and_fails_inside_skypilot(api_server, cap
     assert launch_s < 10.0 and second_s < 1.0 and relaunch_s < 1.0 and down_s < 1.0
 
 
-def test_a_request_the_api_server_does_not_know_is_unknown(api_server):
-    p = SkyPilotLauncher(poll_timeout_s=5.0).progress(
+def test_a_request_the_api_server_does_not_know_is_resolved_from_the_cluster(api_server):
+    """The server is up and has no such request (it restarted: a new request database),
+    and SkyPilot lists no such cluster: that launch is over, and not for want of capacity."""
+    p = SkyPilotLauncher(poll_timeout_s=5.0, image_id=IMAGE).progress(
         LaunchHandle("sr-j-real-a9", "skypilot", request_id="00000000-dead-beef")
     )
-    assert p.phase is LaunchPhase.UNKNOWN and "lists no request" in p.detail
+    assert p.phase is LaunchPhase.FAILED and not p.capacity
+    assert "lists no request" in p.detail and "no such cluster" in p.detail
 
 
 def test_an_api_server_that_is_not_running_is_unknown_and_quick(api_server, monkeypatch):
@@ -178,7 +186,7 @@ def test_an_api_server_that_is_not_running_is_unknown_and_quick(api_server, monk
     forget_server_url()
     try:
         t0 = time.monotonic()
-        p = SkyPilotLauncher(poll_timeout_s=5.0).progress(
+        p = SkyPilotLauncher(poll_timeout_s=5.0, image_id=IMAGE).progress(
             LaunchHandle("sr-j-real-a1", "skypilot", request_id="0123")
         )
         assert time.monotonic() - t0 < 5.0
