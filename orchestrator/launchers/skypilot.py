@@ -1093,9 +1093,12 @@ class SkyPilotLauncher:
         except Exception as e:
             raise LaunchError(f"{what}: sky.status: {_first_line(e)}") from None
         found = [r for r in records or [] if _field(r, "name") == cluster]
-        with self._lock:
-            if self._records is not None and found:
-                self._records[1][cluster] = found[0]
+        with self._lock:  # the shared records learn what the cloud said, too
+            if self._records is not None:
+                if found:
+                    self._records[1][cluster] = found[0]
+                else:
+                    self._records[1].pop(cluster, None)
         return found[0] if found else None
 
     def _record(self, cluster: str, what: str) -> Any:
