@@ -12,14 +12,18 @@ What it does, per attempt:
    SkyPilot YAML (:func:`build_task_from_user_yaml`), with the run's context in
    ``envs``, the agent's token in ``secrets``, and ``resources`` pinned to the
    planner's one choice (infra, instance type, accelerators, spot), so SkyPilot's
-   optimizer has nothing left to choose and cannot wander to another region;
+   optimizer has nothing left to choose and cannot wander to another region; the
+   rest of the chosen resource option (image, disk, ports, labels...) is kept
+   (:func:`pinned_resources`), and a task whose nodes would have no torch is
+   refused (:func:`require_node_image`);
 3. **submit, then poll**: ``sky.launch`` / ``sky.exec`` / ``sky.down`` are requests
    to SkyPilot's API server, which answers each with a request id at once and runs
    it in its own workers (a launch provisions for minutes). The launcher submits
    and returns the id in the handle; :meth:`SkyPilotLauncher.progress` reads the
    request's status with ``sky.api_status`` (PENDING/RUNNING -> PROVISIONING,
-   SUCCEEDED -> UP, FAILED -> FAILED with the exception SkyPilot stored for it,
-   which ``sky.get`` re-raises at once for a finished request). Nothing here waits
+   FAILED -> FAILED with the exception SkyPilot stored for it, which ``sky.get``
+   re-raises at once for a finished request; SUCCEEDED means the job is queued, so
+   then the job's own status: RUNNING -> UP, FAILED_SETUP -> FAILED). Nothing here waits
    on a request that is still running: the reconciler calls these inside its
    database transaction, under a 10 s lease. Each SDK call is bounded by a
    timeout, because the SDK's own reads have no read timeout.
@@ -29,6 +33,10 @@ Recovery is skyresume's: tasks go through ``sky.launch`` as plain clusters, neve
 never reads spot notices and, per its issue 10021, does not block the region that
 preempted it) never runs; ``retry_until_up`` stays off so a launch that cannot get
 capacity fails fast and the reconciler re-plans with that region cooled down.
+A refill or a restart in place is refused (RefillRefused, RestartRefused) where
+SkyPilot would run it on the wrong VMs or beside an old job; the reconciler then
+launches fresh. SkyPilot's behaviour this relies on, with ``sky/...`` references:
+``../shared/SKYPILOT.md``; what the launcher does about it: docs/planner.md.
 
 ``sky`` is imported inside functions (about 1.5 s); nothing here runs at import.
 """
