@@ -296,13 +296,13 @@ def running(home: Path, **kw: Any) -> Iterator[Emulator]:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs. A zombie does not: an `up` that exited stays one until its
+    parent (a test, a shell) reaps it, and ``down`` must not wait on that."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
         return False
-    except PermissionError:
-        return True
-    return True
+    return stat.rsplit(")", 1)[1].split()[0] not in {"Z", "X"}
 
 
 def down(home: Path, *, log: Any = _log) -> None:
