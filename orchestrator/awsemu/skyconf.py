@@ -216,7 +216,8 @@ def write_client_home(emu_home: Path, endpoint: str, api_port: int | None = None
     )
     (aws / "config").write_text(f"[default]\nregion = {DEFAULT_REGION}\n")
     state = read_state(emu_home) if layout.state_path.exists() else {}
-    port = api_port or int(state.get("api_port") or 0) or free_port()
+    # The port is kept across rewrites: a running API server and its clients agree on it.
+    port = api_port or int(str(state.get("api_port") or 0)) or free_port()
     layout.state_path.write_text(
         json.dumps({"endpoint": endpoint, "api_port": port}, indent=2) + "\n"
     )
@@ -407,7 +408,13 @@ def start_api_server(emu_home: Path, timeout: float = 180) -> str:
 
     SkyPilot daemonizes the server and returns once it answers; it then outlives this
     process, so :func:`stop_api_server` must be called (``down`` does).
+
+    A server already answering on this home's port is an earlier ``up``'s: it runs with
+    that run's environment (an endpoint that is gone), so it is stopped first, never
+    reused.
     """
+    if api_server_healthy(emu_home):
+        stop_api_server(emu_home)
     proc = _sky(emu_home, "api", "start", "--host", "127.0.0.1", timeout=timeout)
     if proc.returncode != 0 or not api_server_healthy(emu_home):
         raise SkyConfError(

@@ -230,3 +230,24 @@ def test_the_optimizer_picks_m6i_large_spot_in_the_emulated_region(sky_home: Pat
     assert "m6i.large[Spot]" in chosen[0] and "us-east-1" in chosen[0]
     # use_ssm: false keeps SkyPilot on plain SSH to the private IPs (no AWS SSM).
     assert "SSM" not in out
+
+
+def _api_server_pids(home: Path) -> set[int]:
+    import psutil
+
+    port = f"--port={skyconf.read_state(home)['api_port']}"
+    return {p.pid for p in psutil.process_iter(["cmdline"])
+            if "sky.server.server" in " ".join(p.info["cmdline"] or []) and port in
+            (p.info["cmdline"] or [])}
+
+
+@pytest.mark.long
+def test_starting_the_api_server_again_replaces_the_one_an_earlier_up_left(
+    sky_home: Path,
+) -> None:
+    before = _api_server_pids(sky_home)
+    assert before
+    skyconf.start_api_server(sky_home)
+    after = _api_server_pids(sky_home)
+    assert after and not after & before
+    assert skyconf.api_server_healthy(sky_home)
