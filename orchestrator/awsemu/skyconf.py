@@ -38,6 +38,7 @@ import csv
 import io
 import json
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -456,14 +457,17 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m orchestrator.awsemu.skyconf")
     parser.add_argument("--home", type=Path, required=True)
-    parser.add_argument("--endpoint", required=True, help="the AWS endpoint (front or moto)")
+    parser.add_argument("--endpoint", default=None,
+                        help="the AWS endpoint (front or moto); prepare and seed need it")
     parser.add_argument("command", choices=["prepare", "seed", "api-start", "api-stop", "env"])
     args = parser.parse_args(argv)
+    if args.command in ("prepare", "seed") and not args.endpoint:
+        parser.error(f"{args.command} needs --endpoint (the AWS endpoint: the front or moto)")
     try:
         if args.command == "prepare":
             prepare(args.home, args.endpoint, runtime=False)
         elif args.command == "seed":
-            print(json.dumps(seed_vpc(args.endpoint)))
+            print(json.dumps(seed(args.endpoint)))
         elif args.command == "api-start":
             print(start_api_server(args.home))
         elif args.command == "api-stop":
@@ -471,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             env = sky_env(args.home)
             for key in sorted(k for k in env if k.startswith(("AWS_", "SKYPILOT_")) or k == "HOME"):
-                print(f"export {key}={env[key]}")
+                print(f"export {key}={shlex.quote(env[key])}")
     except SkyConfError as exc:
         print(f"awsemu: {exc}", file=sys.stderr)
         return 1

@@ -103,6 +103,17 @@ def test_the_api_port_survives_rewriting_the_client_home(tmp_path: Path) -> None
     assert skyconf.read_state(tmp_path) == {"endpoint": "http://127.0.0.1:2", "api_port": port}
 
 
+def test_the_env_command_prints_exports_a_shell_can_eval(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    home = tmp_path / "a home with spaces"
+    skyconf.write_client_home(home, "http://127.0.0.1:1", api_port=47002)
+    assert skyconf.main(["--home", str(home), "env"]) == 0
+    script = capsys.readouterr().out + 'printf "%s|%s" "$HOME" "$AWS_ENDPOINT_URL"'
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
+    assert out.stdout == f"{home / skyconf.SKY_HOME}|http://127.0.0.1:1"
+
+
 def test_sky_env_before_the_client_home_exists_says_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(skyconf.SkyConfError, match="write_client_home"):
         skyconf.sky_env(tmp_path)
