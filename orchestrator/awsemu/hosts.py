@@ -80,8 +80,11 @@ def _link_exists(dev: str) -> bool:
     return _run("ip", "link", "show", "dev", dev, check=False).returncode == 0
 
 
-def unavailable_reason() -> str | None:
-    """None when hosts can be made here; else why not (tests skip with it)."""
+def unavailable_reason(*, sshd: bool = True) -> str | None:
+    """None when hosts can be made here; else why not (tests skip with it).
+
+    ``sshd=False`` leaves out what :func:`ensure_prerequisites` can install.
+    """
     if os.geteuid() != 0:
         return "hosts need root (network, mount and PID namespaces)"
     for tool in ("ip", "unshare", "mount"):
@@ -89,7 +92,7 @@ def unavailable_reason() -> str | None:
             return f"`{tool}` is not installed"
     if _run("ip", "netns", "list", check=False).returncode != 0:
         return "`ip netns list` fails: no network namespaces in this kernel or container"
-    if not Path("/usr/sbin/sshd").exists():
+    if sshd and not Path("/usr/sbin/sshd").exists():
         return "sshd is not installed (ensure_prerequisites() installs openssh-server)"
     return None
 
@@ -378,6 +381,14 @@ class HostPool:
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.05)
         _run("ip", "netns", "del", ns, check=False)
+
+    def alive(self, instance_id: str, spec: HostSpec) -> bool:
+        """Whether the host's init still runs. Its own child is polled (no fork: this
+        runs for every host twice a second); a host an earlier `up` made is looked up."""
+        proc = self._procs.get(instance_id)
+        if proc is not None:
+            return proc.poll() is None
+        return init_pid(spec) is not None
 
     def exec_prefix(self, instance_id: str) -> list[str]:
         """Run a command on the host, as root, inside its mount/PID namespaces too."""

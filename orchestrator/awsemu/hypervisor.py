@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from orchestrator.awsemu.ec2 import Ec2, Instance
-from orchestrator.awsemu.hosts import HostPool, init_pid
+from orchestrator.awsemu.hosts import HostPool
 
 _UP = {"pending", "running"}
 _KEEP_DISK = {"stopping", "stopped"}
@@ -93,7 +93,7 @@ class Hypervisor:
             elif inst.state not in _UP:
                 self.pool.stop(iid, keep_disk=False)
                 self._note(iid, f"{inst.state}: host removed")
-            elif init_pid(spec) is None:
+            elif not self.pool.alive(iid, spec):
                 self.pool.stop(iid, keep_disk=True)
                 self._note(iid, "init died: host restarted (like a VM reboot)")
         hosts = self.pool.running()

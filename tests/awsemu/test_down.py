@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_hosts import REASON, launch_via, ssh
+from test_hosts import REASON, launch_via, prerequisites_or_skip, ssh
 
 from orchestrator.awsemu import emulator
 from orchestrator.awsemu.hosts import HostPool
@@ -21,6 +21,7 @@ from orchestrator.awsemu.hosts import HostPool
 @pytest.mark.skipif(REASON is not None, reason=f"no hosts here: {REASON}")
 @pytest.mark.e2e
 def test_down_removes_every_host_the_bridge_and_the_processes_of_up(tmp_path: Path) -> None:
+    prerequisites_or_skip()
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "id")],
                    check=True)  # fmt: skip
     home = tmp_path / "emu"

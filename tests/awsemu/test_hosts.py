@@ -25,18 +25,8 @@ AMI = "ami-785db401"
 BRIDGE = "mbrt"
 
 
-def _reason() -> str | None:
-    reason = unavailable_reason()
-    if reason and "sshd" in reason:
-        try:
-            ensure_prerequisites()
-        except Exception as e:  # no apt here: say so, as the skip reason
-            return f"{reason}; installing failed: {e}"
-        reason = unavailable_reason()
-    return reason
-
-
-REASON = _reason()
+# sshd is left out: it is installed (apt) when a test first needs it, never at collection.
+REASON = unavailable_reason(sshd=False)
 needs_hosts = pytest.mark.skipif(REASON is not None, reason=f"no hosts here: {REASON}")
 
 
@@ -92,10 +82,19 @@ def test_a_private_ip_outside_the_bridges_network_is_refused(tmp_path: Path) -> 
 # --- hosts -----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def emu(tmp_path_factory: pytest.TempPathFactory) -> Iterator[emulator.Emulator]:
+def prerequisites_or_skip() -> None:
+    """sshd, sudo and user ubuntu, installed when missing; a skip saying why if not."""
     if REASON is not None:
         pytest.skip(f"no hosts here: {REASON}")
+    try:
+        ensure_prerequisites()
+    except HostError as e:  # no apt mirror here, say
+        pytest.skip(f"no hosts here: {e}")
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory: pytest.TempPathFactory) -> Iterator[emulator.Emulator]:
+    prerequisites_or_skip()
     try:
         e = emulator.start(tmp_path_factory.mktemp("awsemu-hosts"), bridge=BRIDGE)
     except HostError as err:
