@@ -6,7 +6,8 @@ SkyPilot's client and its API server run with ``HOME=<emu-home>/sky-home`` (see
 databases) and ``~/.aws`` (fake credentials) are the emulator's own::
 
     <emu-home>/sky-home/
-      .sky/config.yaml                     aws: {vpc_name: skypilot-moto, use_internal_ips: true}
+      .sky/config.yaml                     aws: {vpc_name: skypilot-moto, use_internal_ips: true,
+                                           use_ssm: false}, allowed_clouds: [aws]
       .sky/catalogs/v8/aws/vms.csv         tests' v8 fixture + tests/awsemu/catalog, zone ids
                                            checked against moto's own zone mapping
       .sky/catalogs/v8/aws/images.csv      every skypilot:* image tag -> a moto AMI
