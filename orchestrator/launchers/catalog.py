@@ -247,6 +247,49 @@ def gather_candidates(
     return list(unique.values())
 
 
+def gather_instance_type(
+    instance_type: str, *, clouds: Sequence[str] = (), regions: Sequence[str] = ()
+) -> list[Candidate]:
+    """Every (cloud, region) offering a CPU instance type (a task option that names an
+    ``instance_type`` and no accelerators), priced from SkyPilot's catalog: its
+    cheapest zone on demand, and spot where the catalog has a spot price. Raises
+    :class:`UnknownAccelerator` when no allowed cloud offers it."""
+    use_clouds = require_catalog(clouds)
+    from sky import catalog
+
+    out: list[Candidate] = []
+    for cloud in use_clouds:
+        try:
+            found = catalog.get_region_zones_for_instance_type(instance_type, False, clouds=cloud)
+        except ValueError:
+            continue  # not this cloud's instance type
+        for region in found:
+            name = str(region.name)
+            if regions and not _region_allowed(regions, cloud, name):
+                continue
+            price = catalog.get_hourly_cost(instance_type, False, name, None, clouds=cloud)
+            try:
+                spot: float | None = catalog.get_hourly_cost(
+                    instance_type, True, name, None, clouds=cloud
+                )
+            except ValueError:
+                spot = None
+            out.append(
+                Candidate(
+                    cloud=cloud.lower(), region=name, instance_type=instance_type,
+                    accelerator=None, accelerator_count=0, gpu_memory_gib=None,
+                    price_per_node_hour=float(price),
+                    spot_price_per_node_hour=None if spot is None else float(spot),
+                )
+            )  # fmt: skip
+    if not out:
+        raise UnknownAccelerator(
+            f"instance type {instance_type!r} is not offered by {', '.join(use_clouds)} "
+            "in this catalog"
+        )
+    return out
+
+
 def _region_allowed(regions: Sequence[str], cloud: str, region: str) -> bool:
     for r in regions:
         r = r.lower().replace(":", "/")
@@ -295,6 +338,11 @@ def demand_from_task(task: Any) -> TaskDemand:
                 accels.append(entry)
             options.append((entry, clouds, regions, i if ordered else 0))
             pins.append((r.instance_type, r.zone))
+        if not r.accelerators and r.instance_type:
+            # A CPU option (no accelerators) offers exactly its instance type: planned
+            # over the regions that have it (gather_instance_type), accelerator "".
+            options.append(("", clouds, regions, i if ordered else 0))
+            pins.append((r.instance_type, r.zone))
         spots.add(bool(r.use_spot))
     return TaskDemand(
         accelerators=tuple(accels),
@@ -311,7 +359,8 @@ def gather_for_task(demand: TaskDemand, *, clouds: Sequence[str] = ()) -> list[C
     ``A100-80GB`` on AWS). ``clouds`` further limits all of them."""
     if not demand.options:
         raise UnknownAccelerator(
-            "the SkyPilot task names no accelerators; the planner ranks GPU offerings only"
+            "the SkyPilot task names no accelerators and no instance type; the planner "
+            "ranks GPU offerings, or a CPU option's own instance_type"
         )
     allowed = {c.lower() for c in clouds}
     out: dict[tuple[str, str, str], Candidate] = {}
@@ -322,7 +371,12 @@ def gather_for_task(demand: TaskDemand, *, clouds: Sequence[str] = ()) -> list[C
         use = [c for c in opt_clouds if not allowed or c in allowed] if opt_clouds else clouds
         if opt_clouds and not use:
             continue
-        for c in gather_candidates([accel], clouds=use, regions=opt_regions):
+        found = (
+            gather_candidates([accel], clouds=use, regions=opt_regions)
+            if accel
+            else gather_instance_type(str(itype), clouds=use, regions=opt_regions)
+        )
+        for c in found:
             if itype is not None and c.instance_type != itype:
                 continue  # the option names its instance type: only that one
             if zone is not None:

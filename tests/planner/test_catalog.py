@@ -124,3 +124,21 @@ def test_with_no_history_the_planner_agrees_with_skypilots_optimizer(sky, enable
         ours.region,
         ours.instance_type,
     )
+
+
+def test_a_cpu_option_naming_its_instance_type_is_planned_over_the_regions_offering_it(sky):
+    from orchestrator.launchers.catalog import demand_from_task, gather_for_task
+
+    task = sky.Task.from_yaml_config(
+        {"resources": {"infra": "aws", "instance_type": "m6i.2xlarge", "use_spot": True},
+         "run": "true"}
+    )  # fmt: skip
+    found = gather_for_task(demand_from_task(task))
+    assert sorted(c.region for c in found) == ["eu-west-1", "us-east-1", "us-west-2"]
+    assert {(c.cloud, c.instance_type, c.accelerator, c.accelerator_count) for c in found} == {
+        ("aws", "m6i.2xlarge", None, 0)
+    }
+    assert {(c.price_per_node_hour, c.spot_price_per_node_hour) for c in found} == {
+        (0.384, 0.1524)
+    }
+
