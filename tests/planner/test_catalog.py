@@ -138,7 +138,4 @@ def test_a_cpu_option_naming_its_instance_type_is_planned_over_the_regions_offer
     assert {(c.cloud, c.instance_type, c.accelerator, c.accelerator_count) for c in found} == {
         ("aws", "m6i.2xlarge", None, 0)
     }
-    assert {(c.price_per_node_hour, c.spot_price_per_node_hour) for c in found} == {
-        (0.384, 0.1524)
-    }
-
+    assert {(c.price_per_node_hour, c.spot_price_per_node_hour) for c in found} == {(0.384, 0.1524)}
