@@ -206,12 +206,25 @@ def register(app: typer.Typer) -> None:
         ] = None,
         steps: Annotated[int, typer.Option(min=40, help="training steps")] = 120,
         timeout: Annotated[float, typer.Option(min=60, help="give up after (s)")] = 900.0,
+        launcher: Annotated[
+            str,
+            typer.Option(help="local, or skypilot: SkyPilot's real provisioner on the "
+                         "emulated AWS (root; scripts/awsemu-prepare first)"),
+        ] = "local",
     ) -> None:
         """A 2x2 CPU training run, preempted then a node killed, recovered from both.
 
         Starts the service (SQLite, local launcher), submits the job, injects the
         failures, prints the incident table. Exits 0 only if training finished with
-        every resume validated on every rank."""
+        every resume validated on every rank. ``--launcher skypilot``: a 2x1 run
+        through SkyPilot's API server on the emulated AWS, a spot notice on one node
+        (docs/awsemu.md: Through SkyPilot)."""
+        if launcher == "skypilot":
+            from orchestrator.demo_skypilot import run_demo as run_sky_demo
+
+            raise typer.Exit(run_sky_demo(home=home, steps=max(steps, 150)))
+        if launcher != "local":
+            raise typer.BadParameter(f"launcher must be local or skypilot, got {launcher!r}")
         from orchestrator.demo import run_demo
 
         raise typer.Exit(run_demo(home=home, steps=steps, timeout_s=timeout))

@@ -1,0 +1,329 @@
+"""The recovery loop through SkyPilot's real provisioner on the emulated AWS.
+
+What ``skyresume demo --launcher skypilot`` and tests/awsemu/test_loop_e2e.py run:
+the emulated AWS (moto behind the fault front, instances as hosts, SkyPilot's own API
+server on loopback: docs/awsemu.md), a SeaweedFS S3 server on the hosts' bridge as the
+checkpoint store, and ``skyresume serve`` with ``SKYRESUME_LAUNCHER=skypilot``, run as
+a user runs it: SkyPilot's client environment is the emulator's (its endpoint and
+fake credentials, ``skyconf.sky_env``), the public URL is the bridge's gateway (a
+private address, so plain http is allowed), and nothing else of the service is
+changed. The job is a user's SkyPilot task (``task.skypilot_yaml``), so that its
+``envs``/``secrets`` carry the S3 endpoint and keys to the nodes as a user's would;
+the launcher wraps it in the gpt-cpu template's setup and run (the agent installed
+from the service's wheel, ``pip --no-index --no-deps``).
+
+Root only (namespaces, sshd), and the node template must be prepared
+(``scripts/awsemu-prepare``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+#: moto's built-in AMI: the emulated catalog maps every ``skypilot:*`` image to it,
+#: and the launcher refuses a task that names no image (SkyPilot's has no torch).
+EMULATED_AMI = "ami-785db401"
+#: Nodes reach the wheel cache of the node template (no internet on the bridge).
+NODE_WHEELS = "$HOME/.skyresume-awsemu/wheels"
+
+
+class LoopError(RuntimeError):
+    pass
+
+
+def task_yaml(*, s3_endpoint: str, keys: tuple[str, str], steps: int,
+              instance_type: str = "m6i.large") -> str:
+    """The user's SkyPilot task: CPU spot nodes on AWS, the S3 store's endpoint and
+    keys for the node's checkpoint client, boto3 installed from the node's own wheel
+    cache (the image has torch, not boto3), and the GPT run."""
+    import yaml
+
+    doc = {
+        "resources": {"infra": "aws", "instance_type": instance_type, "use_spot": True},
+        "envs": {"SKYRESUME_S3_ENDPOINT_URL": s3_endpoint, "AWS_DEFAULT_REGION": "us-east-1"},
+        "secrets": {"AWS_ACCESS_KEY_ID": keys[0], "AWS_SECRET_ACCESS_KEY": keys[1]},
+        "setup": (
+            f'python3 -m pip install --quiet --no-index --find-links "{NODE_WHEELS}" boto3\n'
+        ),
+        "run": (
+            f"python3 -m training.examples.train_gpt --max-steps {steps} --step-sleep 0.2\n"
+        ),
+    }
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+def job_spec(task_path: Path, checkpoint_uri: str) -> dict[str, Any]:
+    return {
+        "name": "sky-gpt",
+        "task": {"skypilot_yaml": str(task_path)},
+        "num_nodes": 2,
+        "ranks_per_node": 1,
+        "spot": True,
+        "checkpoint": {"uri": checkpoint_uri, "every_steps": 10, "keep": 3, "adaptive": False},
+        "restarts": {"max_restarts": 5, "heartbeat_timeout_s": 30, "grace_period_s": 60},
+    }
+
+
+class SkyLoop:
+    """The emulator, the S3 server and the service; ``close`` stops all three and
+    gives back every instance left."""
+
+    def __init__(self, home: Path, *, log: Any = None) -> None:
+        from orchestrator.awsemu import emulator, skyconf
+        from orchestrator.cloud.seaweed import start as seaweed
+        from orchestrator.launchers.local import free_port
+
+        self.home = home
+        home.mkdir(parents=True, exist_ok=True)
+        self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.s3: Any = None
+        self.emu = emulator.start(home / "emu", with_hosts=True, with_sky=True)
+        try:
+            assert self.emu.pool is not None
+            self.gateway = self.emu.pool.gateway
+            self.keys = (f"loop-{os.getpid()}", os.urandom(16).hex())
+            self.s3 = seaweed(host=self.gateway, port=free_port(), data_dir=home / "s3",
+                              bucket="checkpoints", access_key=self.keys[0],
+                              secret_key=self.keys[1])  # fmt: skip
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            base = {k: v for k, v in os.environ.items() if not k.startswith("SKYRESUME_")}
+            env = skyconf.sky_env(self.emu.home, base)
+            env.update(
+                SKYRESUME_HOME=str(home / "service"),
+                SKYRESUME_HOST="0.0.0.0",
+                SKYRESUME_PORT=str(self.port),
+                SKYRESUME_PUBLIC_URL=f"http://{self.gateway}:{self.port}",
+                SKYRESUME_LAUNCHER="skypilot",
+                SKYRESUME_RECONCILE="true",
+                SKYRESUME_SKYPILOT_IMAGE_ID=EMULATED_AMI,
+                SKYRESUME_PIP_ARGS="--no-index",
+                # The service's own reads of checkpoints (CONFIRM): SeaweedFS, not moto.
+                SKYRESUME_S3_ENDPOINT_URL=self.s3.endpoint_url,
+                AWS_ACCESS_KEY_ID=self.keys[0],
+                AWS_SECRET_ACCESS_KEY=self.keys[1],
+            )
+            self.env = env
+            self.service_log = open(home / "service.log", "ab")  # noqa: SIM115 - close()
+            self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve"],
+                                         env=env, stdout=self.service_log,
+                                         stderr=subprocess.STDOUT)  # fmt: skip
+            self.http = self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def checkpoint_uri(self) -> str:
+        return f"s3://{self.s3.bucket}/sky-gpt"
+
+    def _wait_ready(self, timeout_s: float = 90) -> Any:
+        import httpx
+
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise LoopError(f"the service exited ({self.proc.returncode}); "
+                                f"see {self.home / 'service.log'}")  # fmt: skip
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                    token = (self.home / "service" / "token").read_text().strip()
+                    return httpx.Client(base_url=self.url, timeout=30,
+                                        headers={"Authorization": f"Bearer {token}"})  # fmt: skip
+            time.sleep(0.3)
+        raise LoopError(f"the service did not become ready in {timeout_s:.0f} s")
+
+    def submit(self, steps: int) -> str:
+        path = self.home / "task.yaml"
+        path.write_text(task_yaml(s3_endpoint=self.s3.endpoint_url, keys=self.keys,
+                                  steps=steps))  # fmt: skip
+        r = self.http.post("/v1/jobs", json=job_spec(path, self.checkpoint_uri))
+        if r.status_code >= 400:
+            raise LoopError(f"submit: HTTP {r.status_code}: {r.text[:500]}")
+        return str(r.json()["id"])
+
+    def get(self, path: str) -> Any:
+        r = self.http.get(path)
+        if r.status_code >= 400:
+            raise LoopError(f"GET {path}: HTTP {r.status_code}: {r.text[:300]}")
+        return r.json()
+
+    def instances(self, *, cluster: str | None = None) -> list[dict[str, Any]]:
+        """Pending or running instances in every emulated region (of ``cluster``)."""
+        out = []
+        for region in self.emu.regions:
+            ec2 = self.emu.boto3_client("ec2", region)
+            found = ec2.describe_instances(Filters=[
+                {"Name": "instance-state-name", "Values": ["pending", "running"]}])
+            for r in found["Reservations"]:
+                for i in r["Instances"]:
+                    tags = {t["Key"]: t["Value"] for t in i.get("Tags", [])}
+                    # SkyPilot's name on the cloud is the cluster's plus a user hash.
+                    if cluster is None or any(str(v).startswith(cluster) for v in tags.values()):
+                        out.append({**i, "region": region, "tags": tags})
+        return out
+
+    def sky_status(self) -> list[str]:
+        """Cluster names ``sky status`` lists (SkyPilot's own CLI, its API server)."""
+        sky = str(Path(sys.executable).parent / "sky")
+        env = {k: v for k, v in self.env.items() if not k.startswith("SKYRESUME_")}
+        p = subprocess.run([sky, "status", "--refresh"], env=env, cwd=env["HOME"],
+                           capture_output=True, text=True, timeout=300,
+                           stdin=subprocess.DEVNULL)  # fmt: skip
+        names = []
+        for line in p.stdout.splitlines():
+            word = line.split()[0] if line.split() else ""
+            if word.startswith("sr-"):
+                names.append(word)
+        return names
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.s3 is not None:
+            self.s3.stop()
+            self.s3 = None
+        self.emu.stop()
+        with contextlib.suppress(Exception):
+            self.service_log.close()
+
+
+def job_state(loop: SkyLoop, job: str) -> tuple[str, int, int | None, int, int]:
+    """(status, newest attempt, its validated step, highest rank step, nodes with a
+    heartbeat in it)."""
+    st = loop.get(f"/v1/jobs/{job}")["status"]
+    atts = loop.get(f"/v1/jobs/{job}/attempts")["items"]
+    if not atts:
+        return st, 0, None, -1, 0
+    a = atts[-1]
+    steps = [r.get("step") for n in a["nodes"] for r in n["ranks"] if r.get("step") is not None]
+    beating = sum(1 for n in a["nodes"] if n.get("last_heartbeat_at"))
+    return st, a["number"], a["validated_step"], max(steps, default=-1), beating
+
+
+def wait_for(loop: SkyLoop, job: str, what: str, until: Any, timeout_s: float) -> tuple[Any, ...]:
+    end = time.monotonic() + timeout_s
+    shown = None
+    while time.monotonic() < end:
+        s = job_state(loop, job)
+        if s != shown:
+            loop.log(f"  {s[0]:12} attempt {s[1]}  validated at {s[2]}  step {s[3]}  "
+                     f"nodes beating {s[4]}")  # fmt: skip
+            shown = s
+        if until(*s):
+            return s
+        if s[0] in ("FAILED", "CANCELLED", "SUCCEEDED"):
+            raise LoopError(f"job {job} ended {s[0]} while waiting for {what}: "
+                            f"{loop.get(f'/v1/jobs/{job}').get('status_reason')}")  # fmt: skip
+        time.sleep(0.5)
+    raise LoopError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def run_loop(home: Path, *, steps: int = 150, window_s: float = 120.0,
+             log: Any = None) -> dict[str, Any]:
+    """Steps 1-2 of issue 19's loop; the figures, as a dict (also ``home/figures.json``).
+    Raises LoopError naming what did not happen."""
+    from orchestrator.launchers.skypilot import cluster_name_for
+
+    figures: dict[str, Any] = {}
+    loop = SkyLoop(home, log=log)
+    try:
+        t0 = time.monotonic()
+        job = loop.submit(steps)
+        figures["job"] = job
+        loop.log(f"submitted {job}: 2 nodes x 1 CPU rank through SkyPilot")
+        wait_for(loop, job, "both nodes registered", lambda st, n, v, step, b: b >= 2, 900)
+        figures["launch_to_registered_s"] = round(time.monotonic() - t0, 1)
+        s = wait_for(loop, job, "training past step 30",
+                     lambda st, n, v, step, b: v is not None and step >= 30, 600)  # fmt: skip
+        figures["launch_to_step30_s"] = round(time.monotonic() - t0, 1)
+        cluster = cluster_name_for(job, s[1])
+        workers = [i for i in loop.instances(cluster=cluster)
+                   if i["tags"].get("ray-node-type") == "worker"]  # fmt: skip
+        if len(workers) != 1:
+            raise LoopError(f"expected one worker instance of {cluster}, got {len(workers)}")
+        victim = workers[0]["InstanceId"]
+        loop.log(f"spot interruption notice on {victim} ({window_s:.0f} s window)")
+        assert loop.emu.front is not None
+        loop.emu.front.preempt(victim, window_s)
+        first = s[1]
+        s = wait_for(loop, job, "a validated resume after the preemption",
+                     lambda st, n, v, step, b: n > first and v is not None and step > v,
+                     1200)  # fmt: skip
+        wait_for(loop, job, "the end", lambda st, n, v, step, b: st == "SUCCEEDED", 900)
+        figures["total_s"] = round(time.monotonic() - t0, 1)
+        figures["incidents"] = loop.get(f"/v1/jobs/{job}/incidents")["items"]
+        # The service tears a finished job's clusters down (sky.down, confirmed); the
+        # emulator is this loop's alone, so any instance left is the job's.
+        t1 = time.monotonic()
+        end = t1 + 600
+        while loop.instances() and time.monotonic() < end:
+            time.sleep(2)
+        figures["teardown_s"] = round(time.monotonic() - t1, 1)
+        figures["instances_left"] = [i["InstanceId"] for i in loop.instances()]
+        figures["sky_clusters_left"] = loop.sky_status()
+        (home / "figures.json").write_text(json.dumps(figures, indent=2, default=str))
+        return figures
+    finally:
+        (home / "figures.json").write_text(json.dumps(figures, indent=2, default=str))
+        loop.close()
+
+
+def run_demo(home: Path | None = None, steps: int = 150) -> int:
+    """``skyresume demo --launcher skypilot``: :func:`run_loop`, then the incident
+    table; 0 only when the job succeeded, the resume was validated and no step lost."""
+    import tempfile
+
+    from orchestrator.commands.common import incident_table
+    from orchestrator.demo import console
+
+    if os.geteuid() != 0:
+        console.print("[red]demo failed:[/red] the emulated AWS's hosts need root")
+        return 1
+    home = Path(home) if home else Path(tempfile.mkdtemp(prefix="skyresume-skydemo-"))
+    console.print(f"[bold]skyresume demo --launcher skypilot[/bold]: state in {home}")
+    try:
+        figures = run_loop(home, steps=steps, log=console.print)
+    except (LoopError, OSError, RuntimeError) as e:
+        console.print(f"[red]demo failed:[/red] {e}")
+        console.print(f"logs: {home / 'service.log'}, {home / 'emu'}")
+        return 1
+    incs = figures["incidents"]
+    console.print(incident_table(incs))
+    console.print(f"launch request to both nodes registered: {figures['launch_to_registered_s']} s")
+    problems = []
+    if [i["failure_class"] for i in incs] != ["preemption_notice"]:
+        problems.append(f"expected one preemption_notice, got {[i['failure_class'] for i in incs]}")
+    for i in incs:
+        v = next((s for s in i["steps"] if s["step"] == "validate"), None)
+        if v is None or v["outcome"] != "ok":
+            problems.append(f"incident {i['id']} did not validate")
+        if i["steps_lost"]:
+            problems.append(f"incident {i['id']} lost {i['steps_lost']} steps")
+    if figures["instances_left"] or figures["sky_clusters_left"]:
+        problems.append(f"left behind: {figures['instances_left']} {figures['sky_clusters_left']}")
+    for p in problems:
+        console.print(f"[red]check failed:[/red] {p}")
+    if not problems:
+        console.print("[green]demo passed[/green]: through SkyPilot, resumed with no step lost")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    out = run_loop(Path(sys.argv[1]))
+    print(json.dumps(out, indent=2, default=str))
