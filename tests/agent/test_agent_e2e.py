@@ -255,3 +255,40 @@ def test_torchrun_ranks_are_found_by_pid_and_get_the_sigterm(service, sim, start
     assert exits == [(0, 75), (1, 75)]
     logs = list((run.log.parent / "n0" / "logs" / "torchrun").glob("*/attempt_0/0/stderr.log"))
     assert logs and "stop requested" in logs[0].read_text()
+
+
+def test_an_agent_enrols_with_the_tasks_token_and_carries_on_with_the_issued_one(
+    service, start_agent
+):
+    """What a launched node holds is a single-use enrolment token: the agent spends it
+    at its first register and every heartbeat after carries the attempt's token (an
+    enrolment token on a heartbeat is 401), so it trains; the task's copy is then spent."""
+    from datetime import timedelta
+
+    from orchestrator import __version__
+    from orchestrator.contract import AGENT_PROTOCOL
+    from orchestrator.store.tokens import enrolment_token
+
+    job = service.new_job()
+    node = f"{job}-a1-n0"
+    enrolment = enrolment_token(service.token, job, 1, ttl=timedelta(hours=1))
+    run = start_agent(job, node=node, env={"SKYRESUME_AGENT_TOKEN": enrolment})
+
+    def trains() -> bool:
+        n = node_row(service, job, node)
+        ranks = (n.progress or {}).get("ranks", []) if n else []
+        return n is not None and len(ranks) == 2 and all((r["step"] or 0) > 1 for r in ranks)
+
+    wait_for("the enrolled agent's heartbeats with both ranks training", trains)
+    assert "enrolled: the service issued this attempt's agent token" in run.log.read_text()
+    replay = httpx.post(
+        f"{service.url}/v1/jobs/{job}/attempts/1/nodes/{node}/register",
+        json={
+            "node_rank": 0,
+            "ranks": [],
+            "agent_version": __version__,
+            "protocol": AGENT_PROTOCOL,
+        },
+        headers={"Authorization": f"Bearer {enrolment}"},
+    )
+    assert replay.status_code == 401 and "replay" in replay.json()["detail"]
