@@ -235,8 +235,9 @@ def wait_for(loop: SkyLoop, job: str, what: str, until: Any, timeout_s: float) -
 
 
 def run_loop(home: Path, *, steps: int = 150, window_s: float = 120.0,
-             log: Any = None) -> dict[str, Any]:
-    """Steps 1-2 of issue 19's loop; the figures, as a dict (also ``home/figures.json``).
+             terminate: bool = False, log: Any = None) -> dict[str, Any]:
+    """Issue 19's loop: launch, a spot notice, and with ``terminate`` then an instance
+    terminated without one; the figures, as a dict (also ``home/figures.json``).
     Raises LoopError naming what did not happen."""
     from orchestrator.launchers.skypilot import cluster_name_for
 
@@ -264,6 +265,23 @@ def run_loop(home: Path, *, steps: int = 150, window_s: float = 120.0,
         first = s[1]
         s = wait_for(loop, job, "a validated resume after the preemption",
                      lambda st, n, v, step, b: n > first and v is not None and step > v,
+                     1200)  # fmt: skip
+        if terminate:
+            # An instance gone with no notice (EC2 TerminateInstances): its agent's
+            # heartbeats stop, and the service finds the node lost.
+            s = wait_for(loop, job, "training on after the resume",
+                         lambda st, n, v, step, b: v is not None and step >= v + 10,
+                         600)  # fmt: skip
+            mine = loop.instances(cluster=cluster_name_for(job, s[1]))
+            workers = [i for i in mine if i["tags"].get("ray-node-type") == "worker"]
+            if not workers:
+                raise LoopError(f"no worker instance of attempt {s[1]} of {job} is running")
+            victim = workers[0]["InstanceId"]
+            loop.log(f"instance {victim} terminated without a notice")
+            loop.emu.front.terminate(victim)
+            second = s[1]
+            wait_for(loop, job, "a validated resume after the termination",
+                     lambda st, n, v, step, b: n > second and v is not None and step > v,
                      1200)  # fmt: skip
         wait_for(loop, job, "the end", lambda st, n, v, step, b: st == "SUCCEEDED", 900)
         figures["total_s"] = round(time.monotonic() - t0, 1)
@@ -298,7 +316,7 @@ def run_demo(home: Path | None = None, steps: int = 150) -> int:
     home = Path(home) if home else Path(tempfile.mkdtemp(prefix="skyresume-skydemo-"))
     console.print(f"[bold]skyresume demo --launcher skypilot[/bold]: state in {home}")
     try:
-        figures = run_loop(home, steps=steps, log=console.print)
+        figures = run_loop(home, steps=steps, terminate=True, log=console.print)
     except (LoopError, OSError, RuntimeError) as e:
         console.print(f"[red]demo failed:[/red] {e}")
         console.print(f"logs: {home / 'service.log'}, {home / 'emu'}")
@@ -307,14 +325,15 @@ def run_demo(home: Path | None = None, steps: int = 150) -> int:
     console.print(incident_table(incs))
     console.print(f"launch request to both nodes registered: {figures['launch_to_registered_s']} s")
     problems = []
-    if [i["failure_class"] for i in incs] != ["preemption_notice"]:
-        problems.append(f"expected one preemption_notice, got {[i['failure_class'] for i in incs]}")
+    classes = [i["failure_class"] for i in incs]
+    if classes != ["preemption_notice", "node_lost"]:
+        problems.append(f"expected preemption_notice, node_lost; got {classes}")
     for i in incs:
         v = next((s for s in i["steps"] if s["step"] == "validate"), None)
         if v is None or v["outcome"] != "ok":
             problems.append(f"incident {i['id']} did not validate")
-        if i["steps_lost"]:
-            problems.append(f"incident {i['id']} lost {i['steps_lost']} steps")
+    if incs and incs[0]["steps_lost"]:
+        problems.append(f"the preemption lost {incs[0]['steps_lost']} steps")
     if figures["instances_left"] or figures["sky_clusters_left"]:
         problems.append(f"left behind: {figures['instances_left']} {figures['sky_clusters_left']}")
     for p in problems:
@@ -325,5 +344,5 @@ def run_demo(home: Path | None = None, steps: int = 150) -> int:
 
 
 if __name__ == "__main__":
-    out = run_loop(Path(sys.argv[1]))
+    out = run_loop(Path(sys.argv[1]), steps=200, terminate=True)
     print(json.dumps(out, indent=2, default=str))
