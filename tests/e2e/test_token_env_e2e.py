@@ -44,9 +44,10 @@ def shown(cmdline: bytes) -> str:
 
 def is_agent(cmdline: bytes) -> bool:
     # ``-m orchestrator.agent``, or the templates' ``-c '...run_module("orchestrator.agent"...'``
-    return any(
-        a == b"orchestrator.agent" or b'run_module("orchestrator.agent"' in a
-        for a in cmdline.split(b"\0")
+    # run by a python (the run's shell holds the same text in its script)
+    argv = cmdline.split(b"\0")
+    return b"python" in argv[0].rsplit(b"/", 1)[-1] and any(
+        a == b"orchestrator.agent" or b'run_module("orchestrator.agent"' in a for a in argv
     )
 
 
