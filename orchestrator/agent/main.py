@@ -175,6 +175,10 @@ class NodeEnv:
     GRACE_S = "SKYRESUME_GRACE_S"
     HEARTBEAT_S = "SKYRESUME_HEARTBEAT_S"
     POLL_S = "SKYRESUME_POLL_S"
+    #: The node directory (``~`` allowed), one per attempt and try on SkyPilot: an old
+    #: job SkyPilot has not cancelled yet must never share control.json and logs with
+    #: the new one (SKYPILOT.md defect 6). Unset: ``~/skyresume/node``.
+    NODE_DIR = "SKYRESUME_NODE_DIR"
 
 
 #: The token in run-context values that names this node's local disk directory.
@@ -413,10 +417,12 @@ def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> Age
     if local_dir is None:
         if not a.from_env:
             raise UsageError("missing --local-dir (the node's local disk directory)")
-        local_dir = str(Path.home() / "skyresume" / "node")
+        named = (env.get(NodeEnv.NODE_DIR) or "").strip()
+        local_dir = named or str(Path.home() / "skyresume" / "node")
     log_dir = a.log_dir
     if log_dir is None and a.local_dir is None and a.from_env:
-        log_dir = str(Path.home() / "skyresume" / "logs")
+        named = (env.get(NodeEnv.NODE_DIR) or "").strip()
+        log_dir = named + "/logs" if named else str(Path.home() / "skyresume" / "logs")
     master_port = pick(a.master_port, NodeEnv.MASTER_PORT, _integer, 29500)
     provider = pick(a.provider, NodeEnv.PROVIDER, _text, "none")
     if provider not in ("aws", "gcp", "azure", "auto", "none"):

@@ -107,6 +107,8 @@ SKY_CLIENT_ENV = {
 
 #: The agent's node directory, per attempt and try (``~`` is the node's home): two
 #: agents on one node (an old job SkyPilot had not cancelled yet) never share one.
+#: The agent reads it as ``NodeEnv.NODE_DIR`` (the agent package is stdlib only, so
+#: the name is repeated here rather than imported from it).
 NODE_DIR_ENV = "SKYRESUME_NODE_DIR"
 
 #: Leak backstop: every launch asks SkyPilot to tear the cluster down after this long

@@ -458,3 +458,16 @@ def test_setup_installs_the_served_wheel_for_a_python_3_9_node(tmp_path):
     out = _setup(env, "gpt-cpu")
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "home" / "skyresume" / "pkg" / "orchestrator" / "agent").is_dir()
+
+
+def test_the_launchers_node_dir_keeps_two_attempts_agents_apart(tmp_path):
+    # SkyPilot never cancels an old job by itself (SKYPILOT.md defect 6): the launcher
+    # names a node directory per attempt and try, so an old agent still alive on a kept
+    # node never shares control.json or logs with the new one.
+    env = node_env(tmp_path, "gpt-cpu", "0", SKYRESUME_NODE_DIR="~/skyresume/sr-j-1-a3-t1")
+    out = run_section("gpt-cpu", env, "--print-config")
+    assert out.returncode == 0, out.stderr
+    cfg = json.loads(out.stdout)["config"]
+    home = tmp_path / "home"
+    assert cfg["local_dir"] == str(home / "skyresume" / "sr-j-1-a3-t1")
+    assert cfg["log_dir"] == str(home / "skyresume" / "sr-j-1-a3-t1" / "logs")
