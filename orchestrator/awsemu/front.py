@@ -46,17 +46,14 @@ from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 from xml.sax.saxutils import escape
 
+from orchestrator.cloud.simulator import relay
+
 ADMIN_PREFIX = "/_awsemu/"
 DEFAULT_REGION = "us-east-1"
 #: AWS's own window between a spot instance-action notice and the interruption.
 DEFAULT_WINDOW_S = 120.0
 _SCOPE_RE = re.compile(r"Credential=[^/,\s]+/\d{8}/([a-z0-9-]+)/([a-z0-9-]+)/aws4_request")
 _HOST_RE = re.compile(r"^ec2\.([a-z0-9-]+)\.amazonaws\.com")
-# Hop-by-hop headers belong to one connection (RFC 9110 7.6.1); lengths are recomputed.
-_HOP_BY_HOP = frozenset(
-    {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
-     "upgrade", "content-length"}
-)  # fmt: skip
 
 
 class Moto(Protocol):
@@ -366,21 +363,7 @@ class FaultFront:
     def forward(
         self, method: str, path: str, headers: list[tuple[str, str]], body: bytes | None
     ) -> tuple[int, str, list[tuple[str, str]], bytes]:
-        conn = http.client.HTTPConnection(*self._up, timeout=120)
-        try:
-            conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
-            for k, v in headers:
-                if k.lower() not in _HOP_BY_HOP:
-                    conn.putheader(k, v)
-            if body is not None:
-                conn.putheader("Content-Length", str(len(body)))
-            conn.endheaders(body)
-            resp = conn.getresponse()
-            data = resp.read()
-            kept = [(k, v) for k, v in resp.getheaders() if k.lower() not in _HOP_BY_HOP]
-            return resp.status, resp.reason, kept, data
-        finally:
-            conn.close()
+        return relay(self._up, method, path, headers, body, timeout_s=120)
 
 
 class _Handler(BaseHTTPRequestHandler):

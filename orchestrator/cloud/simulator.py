@@ -432,9 +432,42 @@ _HOP_BY_HOP = frozenset(
         "transfer-encoding",
         "upgrade",
         "content-length",
-        "host",
     }
 )
+
+
+def relay(
+    upstream: tuple[str, int],
+    method: str,
+    path: str,
+    headers: list[tuple[str, str]],
+    body: bytes | None,
+    *,
+    timeout_s: float,
+    host: str | None = None,
+) -> tuple[int, str, list[tuple[str, str]], bytes]:
+    """One HTTP exchange relayed to ``upstream`` as it came (the metadata front here,
+    the emulated AWS's fault front before moto): status, reason, headers, body.
+    ``host`` replaces the client's ``Host`` header; None passes it on (moto reads the
+    region from it)."""
+    conn = http.client.HTTPConnection(*upstream, timeout=timeout_s)
+    try:
+        conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+        if host is not None:
+            conn.putheader("Host", host)
+        for k, v in headers:
+            if k.lower() in _HOP_BY_HOP or (host is not None and k.lower() == "host"):
+                continue
+            conn.putheader(k, v)
+        if body is not None:
+            conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body)
+        resp = conn.getresponse()
+        data = resp.read()
+        kept = [(k, v) for k, v in resp.getheaders() if k.lower() not in _HOP_BY_HOP]
+        return resp.status, resp.reason, kept, data
+    finally:
+        conn.close()
 
 
 class MetadataFront:
@@ -496,22 +529,15 @@ class MetadataFront:
     def forward(
         self, method: str, path: str, headers: list[tuple[str, str]], body: bytes | None
     ) -> tuple[int, str, list[tuple[str, str]], bytes]:
-        conn = http.client.HTTPConnection(self._up_host, self._up_port, timeout=self.timeout_s)
-        try:
-            conn.putrequest(method, self._up_path + path, skip_host=True, skip_accept_encoding=True)
-            conn.putheader("Host", self._up_netloc)
-            for k, v in headers:
-                if k.lower() not in _HOP_BY_HOP:
-                    conn.putheader(k, v)
-            if body is not None:
-                conn.putheader("Content-Length", str(len(body)))
-            conn.endheaders(body)
-            resp = conn.getresponse()
-            data = resp.read()
-            kept = [(k, v) for k, v in resp.getheaders() if k.lower() not in _HOP_BY_HOP]
-            return resp.status, resp.reason, kept, data
-        finally:
-            conn.close()
+        return relay(
+            (self._up_host, self._up_port),
+            method,
+            self._up_path + path,
+            headers,
+            body,
+            timeout_s=self.timeout_s,
+            host=self._up_netloc,
+        )
 
 
 class _FrontHandler(BaseHTTPRequestHandler):
