@@ -46,6 +46,31 @@ def seed_runtime_dir(root: Path, catalog: Path = CATALOG) -> Path:
     return root
 
 
+def repoint_catalogs(catalog_dir: str) -> str | None:
+    """Point a ``sky`` imported earlier in this session (tests/awsemu reads SkyPilot's
+    own constants and calls in-process) at ``catalog_dir``; the directory it had, or
+    None when sky is not imported yet. SkyPilot fixes the directory at import, and its
+    modules open their tables then (``accelerator_registry``'s and each cloud
+    catalog's module-level ``read_catalog``), so moving the directory alone would
+    leave those tables under the earlier HOME, and the planner tests would try GitHub.
+    (Re-importing sky instead fails: its Prometheus metrics register twice.)"""
+    common = sys.modules.get("sky.catalog.common")
+    if common is None:
+        return None
+    before: str = common._ABSOLUTE_VERSIONED_CATALOG_DIR
+    common._ABSOLUTE_VERSIONED_CATALOG_DIR = catalog_dir
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "sky" or name.startswith("sky.")):
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, common.LazyDataFrame) and value._filename.startswith(
+                before + os.sep
+            ):
+                rel = os.path.relpath(value._filename, before)
+                setattr(module, attr, common.read_catalog(rel))
+    return before
+
+
 @pytest.fixture(scope="package")
 def sky_home(
     tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
@@ -59,14 +84,10 @@ def sky_home(
     saved = {k: os.environ.get(k) for k in ("SKY_RUNTIME_DIR", "HOME")}
     os.environ["SKY_RUNTIME_DIR"] = str(root)
     os.environ["HOME"] = str(root)
-    patched = None
-    if "sky.catalog.common" in sys.modules:  # imported earlier in this session
-        common = sys.modules["sky.catalog.common"]
-        patched = common._ABSOLUTE_VERSIONED_CATALOG_DIR
-        common._ABSOLUTE_VERSIONED_CATALOG_DIR = str(root / ".sky" / "catalogs" / "v8")
+    before = repoint_catalogs(str(root / ".sky" / "catalogs" / "v8"))
     yield root
-    if patched is not None:
-        sys.modules["sky.catalog.common"]._ABSOLUTE_VERSIONED_CATALOG_DIR = patched
+    if before is not None:
+        repoint_catalogs(before)
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)
