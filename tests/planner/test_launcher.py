@@ -206,8 +206,11 @@ def test_run_section_starts_the_agent_with_skypilots_node_facts(sky, tmp_path):
         "--steps",
         "10",
     ]
-    # {node_disk} in the run context names this node's disk
-    assert got["run_env"][Env.RESUME_FROM] == f"{tmp_path}/home/skyresume/node/staged/step_300"
+    # {node_disk} in the run context names this node's disk: the node directory the
+    # launcher names for this attempt (one per attempt and try, SKYPILOT.md defect 6)
+    disk = f"{tmp_path}/home/skyresume/sr-j-0a1b2c3d4e-a3"
+    assert cfg["local_dir"] == disk
+    assert got["run_env"][Env.RESUME_FROM] == f"{disk}/staged/step_300"
     assert got["env"]["SKYRESUME_AGENT_TOKEN"] == "tok-s3cr3t"  # from secrets, not argv
     assert not any("tok-s3cr3t" in a for a in got["argv"])
     assert "tok-s3cr3t" not in got["stdout"]  # nor in what the agent prints
