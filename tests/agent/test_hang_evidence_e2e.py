@@ -20,6 +20,7 @@ pytestmark = [
 ]
 
 
+@pytest.mark.long  # CI runs it as a step of its own (.ci/run): the default run stays under 30 min
 def test_a_hung_ranks_incident_holds_the_stacks_of_every_rank(tmp_path):
     svc = DemoService(tmp_path)
     try:

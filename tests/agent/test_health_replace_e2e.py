@@ -32,6 +32,7 @@ fi
 """
 
 
+@pytest.mark.long  # CI runs it as a step of its own (.ci/run): the default run stays under 30 min
 def test_a_node_whose_health_check_fails_is_replaced_and_never_trained_on(tmp_path: Path):
     bindir = tmp_path / "fakebin"
     bindir.mkdir()

@@ -56,6 +56,7 @@ def step_detail(inc: dict[str, Any], step: str) -> str:
     return str(next(s for s in inc["steps"] if s["step"] == step)["detail"])
 
 
+@pytest.mark.long  # CI runs it as a step of its own (.ci/run): the default run stays under 30 min
 def test_a_provisioning_longer_than_the_register_timeout_succeeds(tmp_path):
     """A launch that takes 12 s with a 4 s register timeout: the clock for a node to
     register starts when the launch is up, so nothing is declared lost."""
@@ -103,6 +104,7 @@ def _kill_and_recover(tmp_path: Path, uri_of: Any, **env: str) -> None:
         assert s[1] == 1
 
 
+@pytest.mark.long  # CI runs it as a step of its own (.ci/run): the default run stays under 30 min
 def test_a_node_kill_recovers_from_s3_keeping_the_healthy_node(tmp_path):
     _kill_and_recover(tmp_path, None)
 

@@ -138,6 +138,7 @@ def test_a_plain_ddp_script_survives_a_preemption_and_a_node_kill_on_its_own_sna
         assert f"--resume_from {snap}" in steps["validate"]["detail"]
 
 
+@pytest.mark.long  # CI runs it as a step of its own (.ci/run): the default run stays under 30 min
 def test_without_checkpoint_own_a_plain_script_restarts_from_scratch_and_says_so(service, tmp_path):
     http = service
     job, snap = _submit(http, tmp_path, own=False)

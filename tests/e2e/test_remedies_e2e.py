@@ -75,6 +75,7 @@ def test_an_oom_is_replanned_to_smaller_settings_until_it_fits(service, tmp_path
     http.post(f"/v1/jobs/{job}/cancel")
 
 
+@pytest.mark.long  # CI runs it as a step of its own (.ci/run): the default run stays under 30 min
 def test_an_oom_at_the_smallest_setting_fails_the_job_saying_so(service, tmp_path):
     http = service
     smallest = {**TINY_MODEL, "global_batch": 4, "micro_batch": 1}
@@ -89,6 +90,7 @@ def test_an_oom_at_the_smallest_setting_fails_the_job_saying_so(service, tmp_pat
     assert all(i["failure_class"] == "cuda_oom" for i in incidents(http, job))
 
 
+@pytest.mark.long  # CI runs it as a step of its own (.ci/run): the default run stays under 30 min
 def test_a_persistent_loss_spike_rolls_back_to_a_checkpoint_older_than_its_onset(service, tmp_path):
     http = service
     job = submit(http, tmp_path, 400)
