@@ -46,7 +46,7 @@ from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 from xml.sax.saxutils import escape
 
-from orchestrator.cloud.simulator import relay
+from orchestrator.cloud.simulator import relay, send_relayed
 
 ADMIN_PREFIX = "/_awsemu/"
 DEFAULT_REGION = "us-east-1"
@@ -410,13 +410,7 @@ class _Handler(BaseHTTPRequestHandler):
         except (OSError, http.client.HTTPException) as e:
             msg = f"awsemu front: moto is unreachable: {e}"
             return self._send(503, ec2_error("ServiceUnavailable", msg), "text/xml")
-        self.send_response_only(status, reason)
-        for k, v in headers:
-            self.send_header(k, v)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
+        send_relayed(self, status, reason, headers, data)
 
     def _admin(self, body: bytes | None) -> None:
         front = self.owner

@@ -470,6 +470,24 @@ def relay(
         conn.close()
 
 
+def send_relayed(
+    handler: BaseHTTPRequestHandler,
+    status: int,
+    reason: str,
+    headers: list[tuple[str, str]],
+    data: bytes,
+) -> None:
+    """Answer ``handler``'s request with what :func:`relay` brought back."""
+    # send_response_only: the upstream's own Server and Date pass through as they came.
+    handler.send_response_only(status, reason)
+    for k, v in headers:
+        handler.send_header(k, v)
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    if handler.command != "HEAD":
+        handler.wfile.write(data)
+
+
 class MetadataFront:
     """One node's metadata service at the real address, relaying to a shared simulator.
 
@@ -558,14 +576,7 @@ class _FrontHandler(BaseHTTPRequestHandler):
             status, reason, data = 502, "Bad Gateway", f"metadata upstream: {e}".encode()
             headers = [("Content-Type", "text/plain")]
             print(f"metadata front: {self.command} {self.path}: {e}", file=sys.stderr, flush=True)
-        # send_response_only: the upstream's own Server and Date pass through as they came.
-        self.send_response_only(status, reason)
-        for k, v in headers:
-            self.send_header(k, v)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
+        send_relayed(self, status, reason, headers, data)
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _relay
 
