@@ -261,3 +261,84 @@ class AgentEnrolment(Base):
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     attempt: Mapped[int] = mapped_column(Integer)
     used_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class NodeLog(Base):
+    """The last lines of one node's agent log or one rank's log, as the agent last
+    uploaded them (on request and at exit, so a dead node's last lines are kept).
+    One row per (job, attempt, node, source); an upload replaces the lines."""
+
+    __tablename__ = "node_logs"
+    __table_args__ = (UniqueConstraint("job_id", "attempt", "node_id", "source"),)
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    node_id: Mapped[str] = mapped_column(String(64))
+    source: Mapped[str] = mapped_column(String(32))
+    """``agent`` or ``rank<N>`` (the rank's global number)."""
+    rank: Mapped[int | None] = mapped_column(Integer)
+    lines: Mapped[str] = mapped_column(Text)
+    reason: Mapped[str] = mapped_column(String(16))
+    """request | exit | periodic: why the agent sent it."""
+    uploaded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class ProgressSample(Base):
+    """One rank's progress at one moment: the run's time series (steps/s, loss, grad
+    norm per rank). Appended by the operator loop when a rank's step moved."""
+
+    __tablename__ = "progress_samples"
+    __table_args__ = (Index("ix_progress_samples_job_at", "job_id", "at"),)
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    node_id: Mapped[str] = mapped_column(String(64))
+    rank: Mapped[int] = mapped_column(Integer)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    step: Mapped[int] = mapped_column(Integer)
+    step_time: Mapped[float | None] = mapped_column(Float)
+    loss: Mapped[float | None] = mapped_column(Float)
+    grad_norm: Mapped[float | None] = mapped_column(Float)
+
+
+class AlertWebhook(Base):
+    """Where alerts go: ``job_id`` None = every job. The secret signs each body
+    (HMAC-SHA256); it is kept because signing needs it."""
+
+    __tablename__ = "alert_webhooks"
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True, autoincrement=True)
+    job_id: Mapped[str | None] = mapped_column(
+        ForeignKey("jobs.id", ondelete="CASCADE"), index=True
+    )
+    url: Mapped[str] = mapped_column(Text)
+    secret: Mapped[str] = mapped_column(String(256))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class AlertOutbox(Base):
+    """One alert for one webhook, written before it is sent: a restart loses none,
+    and the unique (event, target) key means an event is queued once."""
+
+    __tablename__ = "alert_outbox"
+    __table_args__ = (
+        UniqueConstraint("event_key", "target"),
+        Index("ix_alert_outbox_due", "delivered_at", "next_try_at"),
+    )
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True, autoincrement=True)
+    event_key: Mapped[str] = mapped_column(String(128))
+    """``incident_opened:<id>``, ``job_failed:<job>``, ...: the event, once."""
+    kind: Mapped[str] = mapped_column(String(32))
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    target: Mapped[str] = mapped_column(String(128))
+    """``webhook:<id>`` or ``global:<sha256 of the URL>[:16]``."""
+    url: Mapped[str] = mapped_column(Text)
+    body: Mapped[dict] = mapped_column(JSON)
+    tries: Mapped[int] = mapped_column(Integer, default=0)
+    next_try_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    delivered_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
