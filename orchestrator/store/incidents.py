@@ -99,6 +99,33 @@ def incidents(s: Session, job_id: str) -> list[dict[str, Any]]:
             for e in events.values()
             if e.kind == EventKind.EVIDENCE and (e.details or {}).get("attempt") == number
         ]
+        # Every launch the recovery asked for and was refused (or whose request then
+        # failed): a refused refill's reason, a stockout's region, before the one that
+        # came up. Their attempt is the new one's.
+        refused = (
+            s.scalars(
+                select(FailureEvent)
+                .where(
+                    FailureEvent.job_id == job_id,
+                    FailureEvent.kind == EventKind.LAUNCH_FAILED,
+                )
+                .order_by(FailureEvent.id)
+            ).all()
+            if nxt is not None
+            else []
+        )
+        launch_failures = [
+            {
+                "event_id": e.id,
+                "verb": (e.details or {}).get("verb"),
+                "region": (e.details or {}).get("region"),
+                "instance_type": (e.details or {}).get("instance_type"),
+                "capacity": (e.details or {}).get("capacity"),
+                "message": e.message,
+            }
+            for e in refused
+            if nxt is not None and (e.details or {}).get("attempt") == nxt.number
+        ]
         out.append(
             {
                 "id": inc.id,
@@ -117,6 +144,7 @@ def incidents(s: Session, job_id: str) -> list[dict[str, Any]]:
                 "mttr_s": incident_mttr(inc.occurred_at, rows),
                 "consequences": consequences,
                 "evidence": evidence,
+                "launch_failures": launch_failures,
                 "steps": steps,
             }
         )
