@@ -163,9 +163,46 @@ class Settings(BaseSettings):
     """How long a dashboard login lasts. Sessions are rows (the hash of the cookie's
     session id): logout, revoking the token they were opened with, or ``skyresume
     token revoke-sessions`` end them sooner."""
+    alert_webhook_url: str = ""
+    """A webhook every job's alerts go to (incident opened/closed, job failed or
+    succeeded; Slack-compatible body). Per-job webhooks: ``POST /v1/alerts/webhooks``."""
+    alert_webhook_secret: str = ""
+    """The HMAC-SHA256 key that signs each body sent to ``alert_webhook_url``."""
+    alerts_interval_s: float = Field(default=2.0, gt=0, le=3600)
+    """How often the operator loop samples progress, detects events and sends alerts."""
     auto_migrate: bool | None = None
     """Upgrade the schema on ``serve``. Default: on for SQLite, off otherwise
     (production PostgreSQL is upgraded deliberately with ``skyresume db upgrade``)."""
+
+    trusted_proxies: str = ""
+    """Comma-separated addresses of reverse proxies whose ``X-Forwarded-For`` and
+    ``X-Forwarded-Proto`` headers are believed (uvicorn's ``forwarded_allow_ips``).
+    Empty: no header is believed, a caller's address is the TCP peer's. A node's
+    stored address becomes ``MASTER_ADDR`` of a relaunch, so a header must never set
+    it unless a proxy the operator named wrote it."""
+    header_timeout_s: float = Field(default=10.0, gt=0, le=600)
+    """How long a client has to send a request's headers, counted from its connection
+    (or from the first byte of its next request): an idle or half-open connection is
+    closed after this, and a slowloris header holds a connection no longer."""
+    body_timeout_s: float = Field(default=60.0, gt=0, le=3600)
+    """How long a client has to send a request's body once its headers are in."""
+    keep_alive_s: int = Field(default=5, ge=1, le=600)
+    """How long a connection may sit idle between requests (uvicorn's keep-alive)."""
+    max_header_bytes: int = Field(default=16 * 1024, ge=1024, le=1024 * 1024)
+    """The most a request's line and headers may take (h11's incomplete-event limit):
+    a longer one is refused (400) before more of it is buffered."""
+    max_headers: int = Field(default=100, ge=8, le=10_000)
+    """The most header fields a request may carry (more: 431)."""
+    max_connections: int = Field(default=4096, ge=16, le=1_000_000)
+    """Open connections past which a new one is closed at once, so the process keeps
+    file descriptors for its database and its nodes."""
+    docs: bool = False
+    """Serve ``/docs`` and ``/redoc`` (Swagger UI and ReDoc load their scripts from a
+    CDN, so they are off unless asked for; ``/openapi.json`` is always served)."""
+    skypilot_yaml_dir: Path | None = None
+    """The directory a job spec's ``task.skypilot_yaml`` must lie in (after symlinks
+    are resolved). Unset: ``<home>/tasks``. A spec naming a file elsewhere is refused
+    (422): without this a submitter could have the service read any file it can."""
 
     reconcile: bool = True
     """Run the reconciler (the restart protocol) inside ``serve``. One replica holds
@@ -285,7 +322,10 @@ class Settings(BaseSettings):
             given, missing = (
                 ("tls_cert", "tls_key") if self.tls_key is None else ("tls_key", "tls_cert")
             )
-            raise ValueError(f"{given} is set but {missing} is not: HTTPS needs both")
+            raise ValueError(
+                f"{given} is set but {missing} is not: HTTPS needs both "
+                f"(SKYRESUME_{given.upper()} and SKYRESUME_{missing.upper()})"
+            )
         return self
 
     @field_validator("pip_args")
@@ -330,6 +370,10 @@ class Settings(BaseSettings):
         when set, else the system's trust store (``True``)."""
         pem = self.ca_pem()
         return ssl.create_default_context(cadata=pem) if pem is not None else True
+
+    @property
+    def effective_skypilot_yaml_dir(self) -> Path:
+        return (self.skypilot_yaml_dir or self.home / "tasks").expanduser()
 
     @property
     def token_path(self) -> Path:
