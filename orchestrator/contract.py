@@ -191,6 +191,7 @@ class EventKind(StrEnum):
     CHECKPOINT_INTERVAL = "checkpoint_interval"  # a new interval pushed to the ranks
     CHAOS = "chaos"  # an operator injected a fault
     PLAIN_SCRIPT = "plain_script"  # the reconciler: the ranks send no progress reports
+    CONTROL_PLANE_DEGRADED = "control_plane_degraded"  # the reconciler: the service was deaf
 
 
 class AttemptState(StrEnum):
