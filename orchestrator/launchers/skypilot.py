@@ -940,7 +940,7 @@ class SkyPilotLauncher:
         status (a failed try stays failed; the next try has a cluster of its own).
         SubmitUncertain when SkyPilot could not be asked, or the submission did not
         answer in time: ask again with the same key."""
-        name = cluster_name_for(request.job_id, request.attempt, request.launch_try)
+        name = self.cluster_for(request)
         p = request.placement
         where = f"{p.cloud}/{p.region} {p.instance_type}"
         sky_task = self.build(request, task or request.task)  # TaskRejected at once
@@ -955,6 +955,11 @@ class SkyPilotLauncher:
         )  # fmt: skip
         self._placements[rid] = where
         return LaunchHandle(name, self.name, node_ids, request_id=rid)
+
+    def cluster_for(self, request: LaunchRequest) -> str:
+        """The cluster a launch of ``request`` makes (its key): one per attempt and try
+        here; one per node in ``skypilot_grouping.SkyPilotNodeLauncher``."""
+        return cluster_name_for(request.job_id, request.attempt, request.launch_try)
 
     @staticmethod
     def _launch_flags(sky_task: Any) -> dict[str, Any]:
