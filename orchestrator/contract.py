@@ -155,6 +155,7 @@ class CommandType(StrEnum):
     STOP = "stop"  # stop every rank now (args may ask for stacks first)
     SET_CHECKPOINT_EVERY = "set_checkpoint_every"  # push a new interval to the ranks
     INJECT_FAULT = "inject_fault"  # chaos: a rank fails the way ``FaultKind`` says
+    UPLOAD_LOGS = "upload_logs"  # send the agent's, torchrun's and each rank's log tail now
 
 
 class ReportKind(StrEnum):

@@ -46,6 +46,7 @@ from typing import Any
 from orchestrator import __version__
 from orchestrator.agent import evidence as ev
 from orchestrator.agent import health as hc
+from orchestrator.agent import logtail
 from orchestrator.agent import ranks as rk
 from orchestrator.agent import stage as st
 from orchestrator.agent.client import (
@@ -685,6 +686,15 @@ class Agent:
             if cfg.service_url
             else None
         )
+        self.ring: logtail.RingHandler | None = None  # main() installs it
+        self.logs = (
+            logtail.LogUploader(
+                lambda body: self.client.request("PUT", "/logs", body),  # type: ignore[union-attr]
+                lambda: logtail.collect(self.ring, self.ranks, self.cfg.log_dir / "torchrun.log"),
+            )
+            if self.client is not None
+            else None
+        )
         self.board = ProgressBoard(on_event=self._on_datagram)
         self.listener = ProgressListener(self.board)
         self.ranks: list[rk.Rank] = []
@@ -1010,6 +1020,9 @@ class Agent:
                 log.error("set_checkpoint_every: every_steps must be an integer >= 1, got %r", n)
                 return
             write_control_file(self.cfg.control_file, {"checkpoint_every": n})
+        elif kind == CommandType.UPLOAD_LOGS:
+            if self.logs is not None:  # off the command thread: files may be slow
+                threading.Thread(target=self.logs.upload, args=("request",), daemon=True).start()
         elif kind == CommandType.INJECT_FAULT:
             # Chaos: the node's ranks fail the way the kind says at their next control
             # poll; the command's seq is the token, so each command acts once.
@@ -1444,6 +1457,8 @@ class Agent:
         self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
         self.listener.start()
         self._start_threads()  # metadata polling starts before the ranks: from boot
+        if self.logs is not None:
+            self.logs.start()  # periodic: what a SIGKILLed node leaves behind
         if self.cfg.health_checks and not self.check_health():
             self._finish()
             return EXIT_HEALTH_CHECK_FAILED
@@ -1482,6 +1497,8 @@ class Agent:
         return code
 
     def _finish(self) -> None:
+        if self.logs is not None:
+            self.logs.stop()  # the last lines, at exit
         if self.client is not None:
             if not self.outbox.wait_drained(self.cfg.final_flush_s):
                 log.error(
@@ -1554,7 +1571,9 @@ def main(argv: list[str] | None = None) -> None:
         AGENT_PROTOCOL,
         f", SkyPilot task {cfg.sky_task_id}" if cfg.sky_task_id else "",
     )
+    ring = logtail.install(cfg.node_id)
     agent = Agent(cfg, token=token, environ=environ)
+    agent.ring = ring
     if agent.client is not None:
         # Register once before anything starts, so a service that refuses this agent
         # (another version or protocol) stops it here, before any rank runs. A service
