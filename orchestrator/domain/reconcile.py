@@ -28,6 +28,7 @@ from enum import StrEnum
 
 from orchestrator.contract import AttemptState, CommandType, EventKind, ExitCode
 from orchestrator.domain import remedy as rm
+from orchestrator.domain import silence as sl
 from orchestrator.domain.advisor import collective_timeout_s, interval_changed_meaningfully
 from orchestrator.domain.failures import FailureClass
 from orchestrator.domain.memory import BatchNotDivisible, DoesNotFit, plan_memory
@@ -114,6 +115,9 @@ class ReconcileConfig:
     """A launch that failed for another reason than capacity (a node's setup that
     could not fetch a package, a provider's transient error) is tried again this many
     times on the same placement, after a backoff, before the job fails with it."""
+    silence: sl.SilenceConfig = field(default_factory=sl.SilenceConfig)
+    """When silence counts against a node (``domain.silence``): intake, stalls,
+    disruption."""
 
 
 @dataclass(frozen=True)
@@ -454,6 +458,12 @@ class JobSnapshot:
     plain: bool = False
     """A ``plain_script`` event was recorded for the job: its ranks send no progress
     reports, and it runs under the plain-script contract from then on."""
+    intake: tuple[sl.IntakeSample, ...] = ()
+    """The fleet's heartbeat intake per reconciler tick, oldest first (``domain.silence``):
+    time in which the service heard too little, or did not run, is not held against a
+    node. Empty: nothing is known, silence counts as it is (since ``heard_since``)."""
+    degraded_noted: bool = False
+    """A ``control_plane_degraded`` event was recorded for the newest attempt."""
 
     @property
     def num_nodes(self) -> int:
@@ -651,12 +661,53 @@ def _age(now: datetime, then: datetime | None) -> float:
     return float("inf") if then is None else (now - then).total_seconds()
 
 
-def _silence(s: JobSnapshot, last_heard: datetime | None) -> float:
+def _silence(
+    s: JobSnapshot, last_heard: datetime | None, blind: sl.Deafness, cfg: ReconcileConfig
+) -> float:
     """How long a node has been silent as far as this service can tell: since its
-    last heartbeat, or since the service came up when that was later."""
+    last heartbeat, or since the service came up when that was later, less the time
+    the service itself was deaf or stalled (``domain.silence``)."""
     if last_heard is not None and s.heard_since is not None:
         last_heard = max(last_heard, s.heard_since)
-    return _age(s.now, last_heard)
+    return sl.relative_silence(last_heard, s.now, blind, cfg.silence)
+
+
+def silences(s: JobSnapshot, a: AttemptView, cfg: ReconcileConfig) -> dict[str, float]:
+    """Each live (not exited) node's relative silence, in seconds."""
+    blind = sl.deafness(s.intake, s.now, cfg.silence)
+    return {
+        n.node_id: _silence(s, n.last_heartbeat_at, blind, cfg) for n in a.nodes if not n.exited
+    }
+
+
+def degraded_note(s: JobSnapshot, a: AttemptView, cfg: ReconcileConfig) -> RecordNote | None:
+    """A ``control_plane_degraded`` note (once per attempt) when silence past the
+    timeout was not held against nodes: the service was deaf or stalled, or many of
+    the job's nodes went silent at once (a disruption)."""
+    if s.degraded_noted or a.state not in (AttemptState.LAUNCHING, AttemptState.RUNNING):
+        return None
+    timeout = s.heartbeat_timeout_s
+    relative = silences(s, a, cfg)
+    waiting = sl.disruption(relative, timeout, cfg.silence)
+    if waiting is not None:
+        return RecordNote(EventKind.CONTROL_PLANE_DEGRADED, a.number, waiting.message(timeout))
+    blind = sl.deafness(s.intake, s.now, cfg.silence)
+    no_blind = sl.Deafness()
+    forgiven = [
+        n.node_id
+        for n in a.nodes
+        if not n.exited
+        and _silence(s, n.last_heartbeat_at, no_blind, cfg) > timeout >= relative[n.node_id]
+    ]
+    if not forgiven:
+        return None
+    why = "did not run" if blind.stalls else "heard too little of the fleet"
+    return RecordNote(
+        EventKind.CONTROL_PLANE_DEGRADED,
+        a.number,
+        f"{len(forgiven)} of {len(relative)} nodes silent past the {timeout:.0f} s heartbeat "
+        f"timeout (first {forgiven[0]}) while the service {why}: not held against them",
+    )
 
 
 def primary_cause(failures: tuple[Failure, ...]) -> Failure:
@@ -686,6 +737,10 @@ def detect(s: JobSnapshot, a: AttemptView, cfg: ReconcileConfig) -> RecordFailur
     if a.state not in (AttemptState.LAUNCHING, AttemptState.RUNNING):
         return None
     seen = {n.node_rank: n for n in a.nodes}
+    relative = silences(s, a, cfg)
+    # Many nodes silent at once: the service waits (``degraded_note`` says so); a node
+    # the launcher says is gone is still lost below, whatever the others do.
+    waiting = sl.disruption(relative, s.heartbeat_timeout_s, cfg.silence)
     if a.vanished:
         return RecordFailure(
             EventKind.NODE_LOST,
@@ -703,8 +758,8 @@ def detect(s: JobSnapshot, a: AttemptView, cfg: ReconcileConfig) -> RecordFailur
                 node.node_id,
                 f"node {node.node_id} is gone: its processes vanished without a notice",
             )
-        hb = _silence(s, node.last_heartbeat_at)
-        if hb > s.heartbeat_timeout_s:
+        hb = relative[node.node_id]
+        if hb > s.heartbeat_timeout_s and waiting is None:
             return RecordFailure(
                 EventKind.NODE_LOST,
                 _F.NODE_LOST,
@@ -716,16 +771,13 @@ def detect(s: JobSnapshot, a: AttemptView, cfg: ReconcileConfig) -> RecordFailur
     # agent has been silent for half the timeout, the others' stalled ranks are waiting
     # on it: that node is lost at the timeout, and calling its peers hung first (their
     # silence counts the last report's age too) named the wrong failure in a race.
-    unheard = any(
-        not n.exited and _silence(s, n.last_heartbeat_at) > s.heartbeat_timeout_s / 2
-        for n in a.nodes
-    )
+    unheard = any(hb > s.heartbeat_timeout_s / 2 for hb in relative.values())
     if a.validated_step is not None and not unheard:
         # A frozen rank stalls every peer at its next collective, so all go silent
         # together; name them all, the one silent longest first.
         silent = sorted(
             (
-                ((r.report_age_s or 0.0) + _silence(s, n.last_heartbeat_at), r.rank, n.node_id)
+                ((r.report_age_s or 0.0) + relative[n.node_id], r.rank, n.node_id)
                 for n in a.nodes
                 if not n.exited
                 for r in n.ranks
@@ -854,6 +906,9 @@ def decide(s: JobSnapshot, cfg: ReconcileConfig | None = None) -> list[Action]:
     found = detect(s, a, cfg)
     if found is not None:
         return [found]
+    note = degraded_note(s, a, cfg)
+    if note is not None:
+        return [note]
     if a.state == AttemptState.ENDED:
         return [SetStatus(JobStatus.FAILED, f"attempt {a.number} ended with no outcome recorded")]
 
@@ -960,11 +1015,11 @@ def _signal(
     waited = _age(s.now, view.started_at)
     # A node silent past the heartbeat timeout cannot hear the command (cut off, or
     # gone): waiting out its grace would only idle the others.
+    relative = silences(s, a, cfg)
     silent = [
         n.node_id
         for n in a.nodes
-        if not (n.exited or n.alive is False)
-        and _silence(s, n.last_heartbeat_at) > s.heartbeat_timeout_s
+        if not (n.exited or n.alive is False) and relative[n.node_id] > s.heartbeat_timeout_s
     ]
     if _all_stopped(a) or (
         silent and all(n.exited or n.alive is False or n.node_id in silent for n in a.nodes)

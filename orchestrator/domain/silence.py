@@ -1,0 +1,210 @@
+"""Relative silence: a node is lost when it went quiet while the service was hearing.
+
+A heartbeat timeout alone cannot tell a dead node from a service that stopped
+listening. Measured here (issue 25): ``bench/heartbeats.py`` at 2,048 nodes on a busy
+machine left 985 healthy nodes past their 30 s timeout; each would have been a false
+``node_lost``, a recovery that stops a healthy node's training and adds load to the
+service that caused it. Kubernetes' node lifecycle controller has the same problem and
+the same answer: when many nodes go NotReady at once it slows evictions, and when all
+of them do it stops, because the fault is far likelier on the control plane's side.
+
+So silence only counts against a node for the time the service was hearing:
+
+* **Intake.** Each reconciler tick records an :class:`IntakeSample`: how many of the
+  fleet's live nodes the service heard from within the hearing window, against how
+  many it expected. A sample whose share falls under ``deaf_share`` makes the time
+  since the previous sample *deaf*: the service was late, starved or cut off from
+  many nodes at once, and that time is forgiven to every node (up to
+  ``max_forgiven_s``, so a real mass loss is acted on in the end).
+* **Stalls.** A gap between samples (or between the newest and ``now``) longer than
+  ``stall_gap_s`` means the deciding service itself did not run (SIGSTOP, a VM pause,
+  a starved process): like the time before ``heard_since``, nothing was heard and
+  nothing is held against a node, without limit.
+* **Disruption.** When more than ``disruption_share`` of a job's live nodes are silent
+  past the timeout at once, and the job has at least ``disruption_min_nodes``, the
+  service opens no recovery for them and records ``control_plane_degraded`` instead,
+  for up to ``max_forgiven_s`` past the timeout. A node with a second witness is never
+  waited for: the launcher saying it is gone (``NodeView.alive is False``) or its own
+  preemption notice are failures of their own, decided before silence is looked at.
+
+Pure: the samples come from the snapshot, ``now`` is the snapshot's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+#: Seconds of an interval at which each node is heard once, the longest the service
+#: tells an agent to wait between beats (the timeout divided by this, at most).
+BEATS_PER_TIMEOUT = 3.0
+
+
+@dataclass(frozen=True)
+class IntakeSample:
+    """What the service heard in the interval ending at ``at`` (one reconciler tick)."""
+
+    at: datetime
+    heard: int
+    """Live nodes of the fleet whose newest beat is within the hearing window."""
+    expected: int
+    """Live nodes of the fleet (registered, not exited, of current attempts)."""
+
+    @property
+    def share(self) -> float:
+        return 1.0 if self.expected <= 0 else self.heard / self.expected
+
+
+@dataclass(frozen=True)
+class SilenceConfig:
+    deaf_share: float = 0.5
+    """An interval in which the service heard fewer than this share of the fleet's live
+    nodes is deaf: one lost node among healthy peers never makes it so (with two nodes
+    one lost leaves a half, which is not under it)."""
+    stall_gap_s: float = 10.0
+    """Samples further apart than this (the reconciler ticks every 0.5 s) mean the
+    service itself did not run in between: that time is never held against a node."""
+    max_forgiven_s: float = 300.0
+    """Deaf time forgiven to a node, at most, and how long past the timeout a job in
+    disruption waits: a zone that really went away is recovered after this even when
+    no launcher can say so."""
+    disruption_share: float = 0.5
+    """More than this share of a job's live nodes silent past the timeout at once is a
+    disruption: no recovery is opened for them while it lasts."""
+    disruption_min_nodes: int = 3
+    """Jobs with fewer nodes are never in disruption on their own (one lost node of two
+    is a half: that is a node loss, and the fleet's intake still covers the service's
+    own deafness)."""
+
+
+@dataclass(frozen=True)
+class Span:
+    start: datetime
+    end: datetime
+
+    def overlap_s(self, start: datetime, end: datetime) -> float:
+        lo, hi = max(self.start, start), min(self.end, end)
+        return max(0.0, (hi - lo).total_seconds())
+
+
+@dataclass(frozen=True)
+class Deafness:
+    """The service's own blind time, from the intake samples."""
+
+    stalls: tuple[Span, ...] = ()
+    """The service did not run (forgiven without limit)."""
+    deaf: tuple[Span, ...] = ()
+    """The service ran and heard too little of the fleet (forgiven up to a cap)."""
+
+    @property
+    def degraded(self) -> bool:
+        return bool(self.stalls or self.deaf)
+
+
+def deafness(
+    samples: Sequence[IntakeSample], now: datetime, cfg: SilenceConfig = SilenceConfig()
+) -> Deafness:
+    """The stalls and deaf intervals the samples (oldest first) show, up to ``now``."""
+    stalls: list[Span] = []
+    deaf: list[Span] = []
+    prev: IntakeSample | None = None
+    for smp in samples:
+        if prev is not None:
+            gap = (smp.at - prev.at).total_seconds()
+            if gap > cfg.stall_gap_s:
+                _extend(stalls, prev.at, smp.at)
+            elif smp.share < cfg.deaf_share:
+                _extend(deaf, prev.at, smp.at)
+        prev = smp
+    if prev is not None and (now - prev.at).total_seconds() > cfg.stall_gap_s:
+        # The tick deciding started long after its last sample: it was stopped between.
+        _extend(stalls, prev.at, now)
+    return Deafness(tuple(stalls), tuple(deaf))
+
+
+def _extend(spans: list[Span], start: datetime, end: datetime) -> None:
+    if spans and spans[-1].end >= start:
+        spans[-1] = Span(spans[-1].start, max(spans[-1].end, end))
+    else:
+        spans.append(Span(start, end))
+
+
+def _overlap(spans: Iterable[Span], start: datetime, end: datetime) -> float:
+    return sum(sp.overlap_s(start, end) for sp in spans)
+
+
+def relative_silence(
+    last_heard: datetime | None,
+    now: datetime,
+    blind: Deafness,
+    cfg: SilenceConfig = SilenceConfig(),
+) -> float:
+    """Seconds the node has been silent while the service was hearing: its silence
+    since ``last_heard`` less the service's stalls and (up to the cap) deaf time."""
+    if last_heard is None:
+        return float("inf")
+    raw = (now - last_heard).total_seconds()
+    if raw <= 0 or not blind.degraded:
+        return raw
+    stalled = _overlap(blind.stalls, last_heard, now)
+    deaf = min(cfg.max_forgiven_s, _overlap(blind.deaf, last_heard, now))
+    return max(0.0, raw - stalled - deaf)
+
+
+@dataclass(frozen=True)
+class Disruption:
+    """Many of a job's nodes went silent at once: the service waits instead of acting."""
+
+    silent: tuple[str, ...]
+    """The nodes silent past the timeout, silent longest first."""
+    live: int
+    """The job's live nodes."""
+    waited_s: float
+    """How long past the timeout the longest-silent one is."""
+
+    def message(self, timeout_s: float) -> str:
+        return (
+            f"{len(self.silent)} of {self.live} nodes silent past the {timeout_s:.0f} s "
+            f"heartbeat timeout at once (first {self.silent[0]}, {self.waited_s:.0f} s "
+            "past it): waiting, no recovery opened; a node the launcher or a notice "
+            "says is gone is still recovered"
+        )
+
+
+def disruption(
+    silences: dict[str, float], timeout_s: float, cfg: SilenceConfig = SilenceConfig()
+) -> Disruption | None:
+    """A disruption of the job whose live nodes have these relative silences, or None.
+
+    None also once the longest-silent node has waited ``max_forgiven_s`` past the
+    timeout: the service never waits out a real mass loss forever."""
+    live = len(silences)
+    over = sorted(((s, n) for n, s in silences.items() if s > timeout_s), reverse=True)
+    if live < cfg.disruption_min_nodes or len(over) <= cfg.disruption_share * live:
+        return None
+    waited = over[0][0] - timeout_s
+    if waited > cfg.max_forgiven_s:
+        return None
+    return Disruption(tuple(n for _, n in over), live, waited)
+
+
+def heartbeat_interval_s(
+    fleet_nodes: int,
+    *,
+    base_s: float = 1.0,
+    beats_per_s: float = 256.0,
+    timeout_s: float = 30.0,
+) -> float:
+    """The period the service tells agents to beat at: ``base_s`` for a small fleet,
+    longer as it grows so the fleet sends about ``beats_per_s`` (a fixed share of one
+    core: ~1,250 beats/s fill one here), never so long that a node is heard fewer than
+    :data:`BEATS_PER_TIMEOUT` times per ``timeout_s``."""
+    want = max(base_s, fleet_nodes / beats_per_s) if beats_per_s > 0 else base_s
+    return round(min(want, max(base_s, timeout_s / BEATS_PER_TIMEOUT)), 3)
+
+
+def hearing_window_s(interval_s: float) -> float:
+    """A node counts as heard in a sample when its newest beat is this recent: two of
+    its periods (one late beat is no silence) plus the batch flush's second."""
+    return 2.0 * interval_s + 2.0
