@@ -123,6 +123,9 @@ def run_service(service: Service) -> None:
         # after the reconciler stopped (callbacks run last-registered first).
         service.app.state.liveness.start()
         service.cleanup.callback(service.app.state.liveness.stop)
+        # Alerts and the run's time series (orchestrator/alerts/loop.py).
+        service.app.state.operator.start()
+        service.cleanup.callback(service.app.state.operator.stop)
         if service.reconciler is not None:
             service.reconciler.start()
             # Registered last, so it runs first: no reconcile pass may use a launcher

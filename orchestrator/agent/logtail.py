@@ -17,7 +17,7 @@ import logging
 import threading
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Deque, Dict, List, Optional
+from typing import Any, Callable
 
 from orchestrator.agent.ranks import rank_log_tail, tail_lines
 
@@ -34,7 +34,7 @@ class RingHandler(logging.Handler):
 
     def __init__(self, n: int = TAIL_LINES) -> None:
         super().__init__()
-        self.lines: Deque[str] = deque(maxlen=n)
+        self.lines: deque[str] = deque(maxlen=n)
         self._lock_lines = threading.Lock()
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -46,7 +46,7 @@ class RingHandler(logging.Handler):
             for line in text.splitlines() or [""]:
                 self.lines.append(line[:4000])
 
-    def snapshot(self) -> List[str]:
+    def snapshot(self) -> list[str]:
         with self._lock_lines:
             return list(self.lines)
 
@@ -62,14 +62,16 @@ def install(node_id: str) -> RingHandler:
 
 
 def collect(
-    ring: Optional[RingHandler], ranks: List[Any], torchrun_log: Optional[Path]
-) -> List[Dict[str, Any]]:
+    ring: RingHandler | None, ranks: list[Any], torchrun_log: Path | None
+) -> list[dict[str, Any]]:
     """Each source's tail: ``agent``, ``torchrun``, ``rank<N>`` (global rank)."""
-    out: List[Dict[str, Any]] = []
+    out: list[dict[str, Any]] = []
     if ring is not None:
         out.append({"source": "agent", "rank": None, "lines": ring.snapshot()[-TAIL_LINES:]})
     if torchrun_log is not None and torchrun_log.exists():
-        out.append({"source": "torchrun", "rank": None, "lines": tail_lines(torchrun_log, TAIL_LINES)})
+        out.append(
+            {"source": "torchrun", "rank": None, "lines": tail_lines(torchrun_log, TAIL_LINES)}
+        )
     for r in ranks:
         out.append(
             {"source": f"rank{r.rank}", "rank": r.rank, "lines": rank_log_tail(r, TAIL_LINES)}
@@ -83,8 +85,8 @@ class LogUploader:
 
     def __init__(
         self,
-        send: Callable[[Dict[str, Any]], Any],
-        gather: Callable[[], List[Dict[str, Any]]],
+        send: Callable[[dict[str, Any]], Any],
+        gather: Callable[[], list[dict[str, Any]]],
         every_s: float = EVERY_S,
     ) -> None:
         self.send = send
@@ -93,7 +95,7 @@ class LogUploader:
         self._last_digest = ""
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
     def upload(self, reason: str, *, force: bool = True) -> bool:
         with self._lock:  # one upload at a time: request, period and exit may meet

@@ -17,10 +17,12 @@ from sqlalchemy import Engine, func, select, text
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orchestrator import __version__
+from orchestrator.alerts.loop import AlertMetrics, operator_loop
 from orchestrator.api import (
     routes_agents,
     routes_goodput,
     routes_jobs,
+    routes_operator,
     routes_recovery,
     routes_tokens,
 )
@@ -119,6 +121,9 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         "skyresume_http_request_seconds", "HTTP latency", ["method", "route"], registry=registry
     )
     registry.register(_JobsByStatus(app))
+    # Alerts, the run's time series: built here, started by ``serve`` (run_service).
+    app.state.operator = operator_loop(app)
+    registry.register(AlertMetrics(app.state.sessionmaker))
     app.state.registry = registry
 
     app.add_middleware(_Measure, requests=requests, latency=latency)
@@ -155,4 +160,6 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.include_router(routes_agents.router)
     app.include_router(routes_recovery.router)
     app.include_router(routes_tokens.router)
+    app.include_router(routes_operator.agent_router)
+    app.include_router(routes_operator.router)
     return app
