@@ -125,9 +125,9 @@ def detect_events(s: Session, *, since: datetime | None = None) -> list[AlertEve
         outcome = ""
         if validate is not None and validate.finished_at is not None:
             ended, outcome = _utc(validate.finished_at), validate.outcome or "ok"
-        elif JobStatus(job.status).is_terminal() and all(r.finished_at for r in steps):
-            ended = max(_utc(r.finished_at) for r in steps if r.finished_at)
-            outcome = f"failed at {failed.step}" if failed else job.status.lower()
+        elif JobStatus(job.status).is_terminal():  # the job ended mid-protocol
+            ended = _utc(job.updated_at)
+            outcome = f"failed at {failed.step}" if failed else f"job {job.status.lower()}"
         if ended is not None:
             mttr = (ended - _utc(ev.occurred_at)).total_seconds() if ev else None
             out.append(

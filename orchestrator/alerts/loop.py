@@ -46,6 +46,7 @@ class OperatorLoop:
         post: outbox.Post | None = None,
         backoff: Sequence[float] = outbox.BACKOFF_S,
         sample_every_s: float = 5.0,
+        first_lookback: timedelta = FIRST_LOOKBACK,
     ) -> None:
         self.sessions = sessions
         self.interval_s = interval_s
@@ -53,6 +54,7 @@ class OperatorLoop:
         self.dashboard_url = dashboard_url
         self.post = post or outbox.httpx_post()
         self.backoff = backoff
+        self.first_lookback = first_lookback
         self.sampler = ProgressSampler(sample_every_s)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -74,7 +76,7 @@ class OperatorLoop:
         if not to:
             return
         newest = s.scalar(select(func.max(AlertOutbox.created_at)))
-        since = (_utc(newest) - MARGIN) if newest else now - FIRST_LOOKBACK
+        since = (_utc(newest) - MARGIN) if newest else now - self.first_lookback
         outbox.enqueue(
             s, detect_events(s, since=since), to, now=now, dashboard_url=self.dashboard_url
         )

@@ -162,6 +162,7 @@ def deliver_due(
                 AlertOutbox.next_try_at <= now,
             )
             .values(next_try_at=now + timedelta(seconds=CLAIM_S))
+            .execution_options(synchronize_session=False)
         ).rowcount  # type: ignore[attr-defined]
         s.commit()
         if claimed != 1:
