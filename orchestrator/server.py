@@ -208,7 +208,8 @@ def make_launcher(
     probing every launcher for a ``close`` that only one of them has."""
     if settings.launcher == "local":
         return _local_launcher(settings, token, cleanup, wheels)
-    from orchestrator.launchers.skypilot import SkyPilotLauncher, sky_client_environment
+    from orchestrator.launchers.skypilot import sky_client_environment
+    from orchestrator.launchers.skypilot_grouping import launcher_for
     from orchestrator.package import agent_package_spec
     from orchestrator.settings import require_routable
 
@@ -222,11 +223,8 @@ def make_launcher(
     # What the nodes pip install: the operator's spec, or this service's own wheel
     # (built now, once), by URL pinned to its sha256 (PackageUnavailable: no source tree).
     package = agent_package_spec(settings, wheels)
-    return SkyPilotLauncher(
-        settings=settings,
-        token_for=enrolments(settings, token),
-        package=package,
-    )
+    # One cluster per attempt or per node (SKYRESUME_SKYPILOT_GROUPING).
+    return launcher_for(settings, token_for=enrolments(settings, token), package=package)
 
 
 class LocalNetworkError(RuntimeError):

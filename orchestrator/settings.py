@@ -143,6 +143,11 @@ class Settings(BaseSettings):
     image path, or ``docker:<image>``): it needs Python 3.9+ and torch. Empty: a task
     must name its own image or install torch in its setup, else it is refused
     (SkyPilot's default images have no torch)."""
+    skypilot_grouping: str = "attempt"
+    """How the SkyPilot launcher groups a job's nodes: ``attempt`` (one cluster per
+    attempt, refilled after a loss) or ``node`` (one single-node cluster per node: a
+    lost node's cluster alone is downed and replaced, the survivors' VMs stay).
+    Measured side by side in docs/skypilot-grouping.md."""
     pip_args: str = ""
     """Extra arguments for that ``pip install`` on the node, split on whitespace
     (``--no-index`` for nodes without internet: the service's wheel needs none)."""
@@ -265,6 +270,13 @@ class Settings(BaseSettings):
                 f"digits and '-', got {v!r}"
             )
         return ",".join(names)
+
+    @field_validator("skypilot_grouping")
+    @classmethod
+    def _grouping(cls, v: str) -> str:
+        if v not in ("attempt", "node"):
+            raise ValueError(f"skypilot_grouping must be attempt or node, got {v!r}")
+        return v
 
     @field_validator("launcher")
     @classmethod
