@@ -9,7 +9,10 @@ Three outcomes, kept apart because the agent acts differently on each:
   subclass :class:`AgentRefused`, so whoever catches only ``Superseded`` still stops;
 * the service cannot be reached (refused, timeout, 5xx): :class:`Unreachable` — the
   agent keeps training and retries with :func:`backoff_delays`, because a service
-  restart must never cost a training step.
+  restart must never cost a training step;
+* the service is up and asks for less (429, or 503 with ``Retry-After``): its
+  subclass :class:`Busy`, with the wait it asked for — back-pressure, not a failure:
+  the agent waits that long with jitter (:func:`busy_wait`) and counts nothing lost.
 
 A 4xx other than 409 is an answer, not a failure to reach: the service refused that
 body, and sending it again would be refused again (the report outbox drops it).
@@ -31,6 +34,49 @@ from typing import Any
 
 class Unreachable(Exception):
     """No usable answer: connection refused or reset, timeout, or a 5xx."""
+
+
+class Busy(Unreachable):
+    """HTTP 429, or 503 with ``Retry-After``: the service is behind and asks for fewer
+    requests. ``retry_after_s`` is how long it asked the client to wait."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+#: The longest wait a Busy answer is obeyed for (a bad header must not silence a node
+#: past any heartbeat timeout).
+MAX_BUSY_WAIT_S = 30.0
+
+
+def busy_wait(retry_after_s: float, jitter: float = 0.5) -> float:
+    """The wait after a Busy answer: what the service asked, stretched by up to
+    ``jitter`` at random, so a fleet refused together does not come back together."""
+    base = min(MAX_BUSY_WAIT_S, max(0.1, retry_after_s))
+    return base * (1 + random.uniform(0.0, jitter))
+
+
+def told_interval(body: Any, own_s: float, jitter: float = 0.1) -> float:
+    """The wait before the next beat after an answered one: our own period, or the
+    longer ``interval_s`` the service asked for (a big fleet), spread by +-``jitter``."""
+    told = body.get("interval_s") if isinstance(body, dict) else None
+    if not isinstance(told, (int, float)) or isinstance(told, bool) or not told > own_s:
+        return own_s
+    return min(MAX_BUSY_WAIT_S, float(told)) * (1 + random.uniform(-jitter, jitter))
+
+
+def _retry_after(value: str | None, body: Any) -> float | None:
+    """``Retry-After`` as seconds (delta-seconds only; an HTTP date is ignored), or the
+    ``interval_s`` a JSON body names."""
+    if value:
+        try:
+            return max(0.0, float(value.strip()))
+        except ValueError:
+            pass
+    if isinstance(body, dict) and isinstance(body.get("interval_s"), (int, float)):
+        return float(body["interval_s"])
+    return None
 
 
 class Superseded(Exception):
@@ -128,6 +174,13 @@ class ServiceClient:
                 if (e.headers.get(REFUSED_HEADER) or "") == AGENT_VERSION_REFUSED:
                     raise AgentRefused(_detail(raw) or "the service refused this agent") from None
                 raise Superseded(_detail(raw) or "attempt superseded") from None
+            if e.code == 429 or e.code == 503:
+                wait = _retry_after(e.headers.get("Retry-After"), _parse(raw))
+                if wait is not None or e.code == 429:
+                    raise Busy(
+                        f"{method} {path}: HTTP {e.code} {_detail(raw)}",
+                        wait if wait is not None else 1.0,
+                    ) from None
             if e.code >= 500:
                 raise Unreachable(f"{method} {path}: HTTP {e.code} {_detail(raw)}") from None
             return Answer(e.code, _parse(raw))

@@ -52,10 +52,13 @@ from orchestrator.agent import stage as st
 from orchestrator.agent.client import (
     AgentRefused,
     Answer,
+    Busy,
     ServiceClient,
     Superseded,
     Unreachable,
     backoff_delays,
+    busy_wait,
+    told_interval,
 )
 from orchestrator.agent.progress import ProgressBoard, ProgressListener, finite
 from orchestrator.contract import AGENT_PROTOCOL, CommandType, Env, ExitCode, FaultKind, ReportKind
@@ -949,6 +952,8 @@ class Agent:
                         continue
                     if ans.status >= 300:
                         log.error("heartbeat refused: HTTP %s %s", ans.status, ans.body)
+                    else:  # a fleet too big for our own period: the service's, jittered
+                        wait = told_interval(ans.body, self.cfg.heartbeat_s)
                 if unreachable_since is not None:
                     log.warning(
                         "service reachable again after %.1f s", time.monotonic() - unreachable_since
@@ -958,6 +963,9 @@ class Agent:
             except Superseded as e:
                 self.on_superseded(str(e))
                 return
+            except Busy as e:  # back-pressure: the service is up, and asked for fewer
+                wait = busy_wait(e.retry_after_s)
+                log.info("service busy (%s); next heartbeat in %.1f s", e, wait)
             except Unreachable as e:
                 if unreachable_since is None:
                     unreachable_since = time.monotonic()
