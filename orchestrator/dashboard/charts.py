@@ -295,3 +295,101 @@ def stacked_columns(
 def series_colours(names: Sequence[str]) -> dict[str, str]:
     """Colours for at most 9 series (the caller folds the rest into one)."""
     return {n: _SERIES_PALETTE[i % len(_SERIES_PALETTE)] for i, n in enumerate(names)}
+
+
+@dataclass(frozen=True)
+class Band:
+    """A mark on a time axis: an incident (start to end) or a checkpoint (end None)."""
+
+    start: datetime
+    end: datetime | None
+    kind: str
+    label: str
+
+
+#: Incident bands and checkpoint lines on the run's time-series charts.
+INCIDENT_FILL = "#f6c9c9"
+CHECKPOINT_STROKE = "#59a14f"
+
+
+def line_chart(
+    series: Mapping[str, Sequence[tuple[datetime, float]]],
+    start: datetime,
+    end: datetime,
+    marks: Sequence[Band],
+    chart_id: str,
+    label: str,
+    unit: str = "",
+    width: int = 860,
+) -> Markup:
+    """One polyline per series (a rank, or the mean of many) over ``start..end``, with
+    each point a small circle (its value in the tooltip), incidents as red bands and
+    checkpoints as green lines on the same axis. Empty series: an empty plot that says
+    so, never a blank space."""
+    left, top, plot_h = 56.0, 8.0, 150.0
+    plot_w = width - left - 10
+    span = max((end - start).total_seconds(), 1e-9)
+    values = [v for pts in series.values() for _, v in pts]
+    lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
+    if hi - lo < 1e-12:
+        lo, hi = lo - 0.5, hi + 0.5
+    pad = (hi - lo) * 0.05
+    lo, hi = lo - pad, hi + pad
+
+    def x(d: datetime) -> float:
+        return left + plot_w * min(max((d - start).total_seconds() / span, 0.0), 1.0)
+
+    def y(v: float) -> float:
+        return top + plot_h - plot_h * (v - lo) / (hi - lo)
+
+    body: list[str] = []
+    for m in marks:
+        if m.kind == "incident":
+            x0 = x(m.start)
+            x1 = x(m.end) if m.end else left + plot_w
+            body.append(_rect(x0, top, max(x1 - x0, 2.0), plot_h, INCIDENT_FILL, m.label, "mark"))
+    for k in range(5):
+        v = lo + (hi - lo) * k / 4
+        gy = y(v)
+        body.append(
+            f'<line x1="{_n(left)}" y1="{_n(gy)}" x2="{_n(left + plot_w)}" y2="{_n(gy)}" '
+            'class="grid"/>'
+        )
+        body.append(_text(left - 4, gy + 4, f"{v:.3g}", "end", "axis"))
+    for m in marks:
+        if m.kind == "checkpoint":
+            cx = x(m.start)
+            body.append(
+                f'<line x1="{_n(cx)}" y1="{_n(top)}" x2="{_n(cx)}" y2="{_n(top + plot_h)}" '
+                f'stroke="{CHECKPOINT_STROKE}" class="mark"><title>{escape(m.label)}</title></line>'
+            )
+    colours = series_colours(list(series))
+    for name, pts in series.items():
+        if not pts:
+            continue
+        coords = " ".join(f"{_n(x(t))},{_n(y(v))}" for t, v in pts)
+        body.append(
+            f'<polyline points="{coords}" fill="none" stroke="{colours[name]}" '
+            f'stroke-width="1.5" class="line"><title>{escape(name)}</title></polyline>'
+        )
+        for t, v in pts:
+            body.append(
+                f'<circle cx="{_n(x(t))}" cy="{_n(y(v))}" r="2" fill="{colours[name]}" '
+                f'class="point"><title>{escape(name)} {t.strftime("%H:%M:%S")}: '
+                f"{v:.4g}{escape(unit)}</title></circle>"
+            )
+    if not values:
+        body.append(_text(left + plot_w / 2, top + plot_h / 2, "no samples yet", "middle", "axis"))
+    for k in range(5):
+        t = start + timedelta(seconds=span * k / 4)
+        anchor = "start" if k == 0 else "end" if k == 4 else "middle"
+        body.append(
+            _text(left + plot_w * k / 4, top + plot_h + 16, t.strftime("%H:%M:%S"), anchor, "axis")
+        )
+    legend = [(n, colours[n]) for n in series] + [
+        ("incident", INCIDENT_FILL),
+        ("checkpoint", CHECKPOINT_STROKE),
+    ]
+    body += _legend(legend, left, top + plot_h + 38, plot_w)
+    height = top + plot_h + 30 + _legend_height(legend, plot_w) + 4
+    return _svg(width, height, body, label, chart_id)

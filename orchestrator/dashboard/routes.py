@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from datetime import UTC, datetime, timedelta
+from itertools import pairwise
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import parse_qs, quote
@@ -38,7 +39,9 @@ from orchestrator.domain.status import JobStatus
 from orchestrator.store import repo
 from orchestrator.store.goodput import JobGoodput, fleet_incidents, job_goodput
 from orchestrator.store.incidents import incidents
+from orchestrator.store.live_view import job_live
 from orchestrator.store.models import FailureEvent, ProtocolStep
+from orchestrator.store.series import JobSeries, job_series
 
 _HERE = Path(__file__).resolve().parent
 _env = Environment(
@@ -54,10 +57,12 @@ _env.filters["usd"] = lambda x: "unpriced" if x is None else f"${x:,.2f}"
 _env.filters["dt"] = lambda d: "-" if d is None else _utc(d).strftime("%Y-%m-%d %H:%M:%S")
 _env.globals["class_colour"] = charts.class_colour
 
-#: No scripts at all; styles only from our own stylesheet; forms post only here.
+#: Scripts only from our own origin (one file, live.js, which refreshes the live
+#: section; no inline script, no eval); styles only from our own stylesheet; fetches
+#: and form posts only here.
 _CSP = (
-    "default-src 'none'; style-src 'self'; img-src 'self' data:; form-action 'self'; "
-    "frame-ancestors 'none'; base-uri 'none'"
+    "default-src 'none'; script-src 'self'; connect-src 'self'; style-src 'self'; "
+    "img-src 'self' data:; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
 )
 _HEADERS = {
     "Content-Security-Policy": _CSP,
@@ -105,6 +110,16 @@ pages = APIRouter(prefix="/dashboard", include_in_schema=False, dependencies=[Lo
 def stylesheet() -> Response:
     css = (_HERE / "static" / "dashboard.css").read_text()
     return Response(css, media_type="text/css", headers={"Cache-Control": "max-age=3600"})
+
+
+@public.get("/static/live.js")
+def live_script() -> Response:
+    js = (_HERE / "static" / "live.js").read_text()
+    return Response(
+        js,
+        media_type="text/javascript",
+        headers={"Cache-Control": "max-age=3600", "X-Content-Type-Options": "nosniff"},
+    )
 
 
 @public.get("/login", response_class=HTMLResponse)
@@ -240,6 +255,93 @@ def _job_charts(report: JobGoodput) -> dict[str, Any]:
     return {"split": split, "timeline": timeline, "mttr": mttr if report.incidents else None}
 
 
+#: Points per drawn series: more would only blur the line and slow the page.
+_MAX_POINTS = 300
+#: Above this many ranks, the charts draw the mean over ranks instead of each.
+_MAX_RANK_LINES = 8
+
+
+def _thin(pts: list[tuple[datetime, float]]) -> list[tuple[datetime, float]]:
+    if len(pts) <= _MAX_POINTS:
+        return pts
+    stride = -(-len(pts) // _MAX_POINTS)
+    return pts[::stride] + ([pts[-1]] if (len(pts) - 1) % stride else [])
+
+
+def _series_charts(data: JobSeries, start: datetime, end: datetime) -> dict[str, Any]:
+    """Steps/s, loss and grad norm over the job's wall time, one line per rank (or the
+    mean over ranks past 8), incidents and checkpoints marked on the same axis."""
+    by_rank: dict[int, list[Any]] = defaultdict(list)
+    for p in data.points:
+        by_rank[p.rank].append(p)
+    rate: dict[int, list[tuple[datetime, float]]] = defaultdict(list)
+    for rank, pts in by_rank.items():
+        for a, b in pairwise(pts):
+            dt = (b.at - a.at).total_seconds()
+            if b.attempt == a.attempt and dt > 0 and b.step >= a.step:
+                rate[rank].append((b.at, (b.step - a.step) / dt))
+            elif b.step_time:
+                rate[rank].append((b.at, 1.0 / b.step_time))
+
+    def lines(values: dict[int, list[tuple[datetime, float]]]) -> dict[str, list[Any]]:
+        if len(values) <= _MAX_RANK_LINES:
+            return {f"rank {r}": _thin(v) for r, v in sorted(values.items())}
+        sums: dict[datetime, list[float]] = defaultdict(list)
+        for v in values.values():
+            for t, x in v:
+                sums[t.replace(microsecond=0)].append(x)
+        mean = [(t, sum(xs) / len(xs)) for t, xs in sorted(sums.items())]
+        return {f"mean of {len(values)} ranks": _thin(mean)}
+
+    def field(name: str) -> dict[int, list[tuple[datetime, float]]]:
+        out: dict[int, list[tuple[datetime, float]]] = {}
+        for rank, pts in by_rank.items():
+            v = [(p.at, getattr(p, name)) for p in pts if getattr(p, name) is not None]
+            if v:
+                out[rank] = v
+        return out
+
+    marks = [charts.Band(m.at, m.end, m.kind, m.label) for m in data.marks]
+    return {
+        "steps": charts.line_chart(
+            lines(rate), start, end, marks, "series-steps", "steps per second", " steps/s"
+        ),
+        "loss": charts.line_chart(lines(field("loss")), start, end, marks, "series-loss", "loss"),
+        "grad_norm": charts.line_chart(
+            lines(field("grad_norm")), start, end, marks, "series-grad-norm", "grad norm"
+        ),
+    }
+
+
+def _live_context(session: Any, job: Any, report: JobGoodput) -> dict[str, Any]:
+    recent = list(
+        session.scalars(
+            select(FailureEvent)
+            .where(FailureEvent.job_id == job.id)
+            .order_by(FailureEvent.occurred_at.desc(), FailureEvent.id.desc())
+            .limit(10)
+        )
+    )
+    start = _utc(job.created_at)
+    end = max(report.ended_at, start + timedelta(seconds=1))
+    return {
+        "live": job_live(session, job.id),
+        "final": JobStatus(job.status).is_terminal(),
+        "series": _series_charts(job_series(session, job.id), start, end),
+        "recent": recent,
+    }
+
+
+@pages.get("/jobs/{job_id}/live", response_class=HTMLResponse)
+def job_live_fragment(job_id: str, session: SessionDep) -> Response:
+    """The live section alone, for live.js (the same template the page includes)."""
+    try:
+        job = repo.get_job(session, job_id)
+    except repo.NotFound as e:
+        return _render("error.html", 404, title="job not found", message=str(e))
+    return _render("_live.html", **_live_context(session, job, job_goodput(session, job_id)))
+
+
 @pages.get("/jobs/{job_id}", response_class=HTMLResponse)
 def job_page(job_id: str, session: SessionDep) -> Response:
     try:
@@ -268,6 +370,7 @@ def job_page(job_id: str, session: SessionDep) -> Response:
         step_colours=charts.STEP_COLOURS,
         nav="jobs",
         **_job_charts(report),
+        **_live_context(session, job, report),
     )
 
 

@@ -9,10 +9,13 @@ from pathlib import Path
 # The failure-history builder lives with the goodput tests; both folders use it.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "goodput"))
 
-from goodput_history import LOST_STEPS, JobHistory, two_incident_job
+from goodput_history import LOST_STEPS, JobHistory, at, two_incident_job
 
 from orchestrator.domain.status import JobStatus
-from orchestrator.store.models import Job, JobTransition
+from orchestrator.store.models import Checkpoint, Job, JobTransition, ProgressSample
+
+#: The running job's time series: 2 ranks, one sample every 10 s from 110 s to 400 s.
+SAMPLE_TIMES = list(range(110, 401, 10))
 
 #: What a hostile job or log could carry into a page.
 EVIL = '<script>alert("x")</script><img src=x onerror=alert(1)>'
@@ -35,6 +38,30 @@ def seed(app) -> dict[str, str]:
             node_id="n0",
         )
         bad.incident(350, f"weird{EVIL}"[:64], LOST_STEPS, last_step=70, attempt=1, finished=3)
+        for rank in (0, 1):
+            for k, t in enumerate(SAMPLE_TIMES):
+                s.add(
+                    ProgressSample(
+                        job_id=bad.id,
+                        attempt=1,
+                        node_id=f"{bad.id}-a1-n0",
+                        rank=rank,
+                        at=at(t),
+                        step=2 * k,
+                        step_time=0.5,
+                        loss=4.0 - 0.1 * k - 0.01 * rank,
+                        grad_norm=1.0 + 0.01 * k,
+                    )
+                )
+        s.add(
+            Checkpoint(
+                job_id=bad.id,
+                step=20,
+                uri="s3://ckpt/evil/20",
+                status="complete",
+                created_at=at(210),
+            )
+        )
         # The API refuses such a name (spec validation); the store must still be safe.
         s.get(Job, bad.id).name = f"x{EVIL}"[:63]
         s.add(

@@ -79,13 +79,25 @@ def test_logout_ends_the_session(browser_client):
     assert browser_client.get("/dashboard/").status_code == 303
 
 
-def test_pages_forbid_scripts_and_caching(browser_client, seeded):
-    for path in ("/dashboard/", f"/dashboard/jobs/{seeded['good']}", "/dashboard/fleet"):
+#: The one script a page may carry: our own file, refreshing a running job's live part.
+LIVE_SCRIPT = '<script src="/dashboard/static/live.js" defer></script>'
+
+
+def test_pages_allow_only_our_own_script_file_and_no_caching(browser_client, seeded):
+    paths = ("/dashboard/", f"/dashboard/jobs/{seeded['good']}", "/dashboard/fleet")
+    for path in (*paths, f"/dashboard/jobs/{seeded['evil']}"):
         r = browser_client.get(path)
         assert r.status_code == 200, path
-        assert "default-src 'none'" in r.headers["content-security-policy"]
+        csp = r.headers["content-security-policy"]
+        assert "default-src 'none'" in csp and "script-src 'self';" in csp
+        assert "unsafe-inline" not in csp and "unsafe-eval" not in csp
         assert r.headers["cache-control"] == "no-store"
-        assert "<script" not in r.text.lower()
+        assert "<script" not in r.text.replace(LIVE_SCRIPT, "").lower(), path
+    # A finished job's page does not refresh at all; a running one does, JS or not.
+    assert LIVE_SCRIPT not in browser_client.get(f"/dashboard/jobs/{seeded['good']}").text
+    running = browser_client.get(f"/dashboard/jobs/{seeded['evil']}").text
+    assert LIVE_SCRIPT in running
+    assert '<noscript><meta http-equiv="refresh" content="15"></noscript>' in running
 
 
 def test_jobs_page_lists_status_restarts_incidents_and_goodput(browser_client, seeded):
@@ -150,7 +162,7 @@ def test_live_job_shows_its_open_incident_as_ongoing(browser_client, seeded):
 
 def test_every_user_supplied_string_is_escaped(browser_client, seeded):
     for path in ("/dashboard/", f"/dashboard/jobs/{seeded['evil']}", "/dashboard/fleet?days=3650"):
-        page = browser_client.get(path).text
+        page = browser_client.get(path).text.replace(LIVE_SCRIPT, "")
         assert "<script" not in page.lower(), path
         assert "<img" not in page.lower(), path
         assert "&lt;script&gt;" in page, path
@@ -196,3 +208,52 @@ def test_pages_render_on_postgres(postgres_app):
         assert "3 incidents in 2 jobs" in c.get("/dashboard/fleet?days=3650").text
         # An offset PostgreSQL cannot take (past 64 bits) is the caller's error, not ours.
         assert c.get(f"/dashboard/?offset={2**63}").status_code == 422
+
+
+def test_running_job_shows_nodes_with_address_heartbeat_and_the_open_protocol(
+    browser_client, seeded
+):
+    page = browser_client.get(f"/dashboard/jobs/{seeded['evil']}").text
+    live = re.search(r'<div id="live".*?</table>', page, re.S).group(0)
+    nodes = re.search(r'<table class="nodes".*?</table>', page, re.S).group(0)
+    assert "10.0.1.0" in nodes and "10.0.1.1" in nodes  # each node's address
+    assert "r0: 70" in nodes and "r1: 69" in nodes  # each rank's own step
+    ages = re.findall(r'<td class="num">([^<]*)</td>\s*<td>(?:-|<span)', nodes)
+    assert len(ages) == 2 and all(a.endswith(" d") for a in ages)  # beat a month ago
+    assert 'data-live="/dashboard/jobs/' in live
+    protocol = re.search(r'<table class="protocol".*?</table>', page, re.S).group(0)
+    # The seeded incident has finished 3 steps and is in its 4th.
+    assert protocol.count('<tr class="done">') == 3
+    assert protocol.count('<tr class="running">') == 1
+    assert protocol.count('<tr class="pending">') == 3
+
+
+def test_each_series_chart_draws_every_sample_with_incident_and_checkpoint_marks(
+    browser_client, seeded
+):
+    from dashboard_seed import SAMPLE_TIMES
+
+    page = browser_client.get(f"/dashboard/jobs/{seeded['evil']}/live").text
+    for chart, per_rank in (
+        ("series-loss", len(SAMPLE_TIMES)),
+        ("series-grad-norm", len(SAMPLE_TIMES)),
+        ("series-steps", len(SAMPLE_TIMES) - 1),  # a rate needs two samples
+    ):
+        svg = re.search(rf'<svg[^>]*id="{chart}".*?</svg>', page, re.S).group(0)
+        assert svg.count('class="point"') == 2 * per_rank, chart
+        assert svg.count("<polyline") == 2, chart  # rank 0 and rank 1
+        assert svg.count("<rect x=") >= 1 and "incident #" in svg, chart
+        assert "checkpoint step 20" in svg, chart
+    steps = re.search(r'<svg[^>]*id="series-steps".*?</svg>', page, re.S).group(0)
+    assert ": 0.2 steps/s</title>" in steps  # 2 steps per 10 s
+
+
+def test_the_live_fragment_is_the_section_alone_and_needs_the_login(
+    browser_client, anonymous, seeded
+):
+    r = browser_client.get(f"/dashboard/jobs/{seeded['evil']}/live")
+    assert r.status_code == 200 and "<html" not in r.text and 'class="nodes"' in r.text
+    assert "&lt;script&gt;" in r.text and EVIL not in r.text
+    assert anonymous.get(f"/dashboard/jobs/{seeded['evil']}/live").status_code == 303
+    done = browser_client.get(f"/dashboard/jobs/{seeded['good']}/live").text
+    assert 'data-final="1"' in done  # live.js stops polling a finished job
