@@ -24,7 +24,6 @@ Root only (namespaces, sshd); the node template must be prepared
    moto and the clusters ``sky status --refresh`` lists are counted.
 
 The ratios are (b)/(a). Ends with one JSON line ``{"bench": "skypilot-grouping", ...}``.
-A preemption (spot notice) is not run here (time): docs/skypilot-grouping.md says so.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -43,7 +43,6 @@ sys.path.insert(0, str(REPO))
 
 from orchestrator.awsemu import skyconf  # noqa: E402
 from orchestrator.demo_skypilot import SkyLoop, wait_for  # noqa: E402
-from orchestrator.launchers.skypilot import cluster_name_for  # noqa: E402
 from orchestrator.launchers.skypilot_grouping import (  # noqa: E402
     node_cluster_name,
     read_call_log,
@@ -54,19 +53,28 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def node_instance(loop: SkyLoop, grouping: str, job: str, attempt: int, rank: int) -> str:
-    """The instance id of node ``rank`` of ``attempt`` (its launch's own attempt)."""
+def rank_instance(loop: SkyLoop, grouping: str, job: str, rank: int, timeout_s: float = 300) -> str:
+    """The running instance of node ``rank`` (whichever attempt launched it), once
+    exactly the job's two instances run (an old one may still be going down)."""
+    base = node_cluster_name(job, 1, 0, 0).removesuffix("-a1-n0")
     if grouping == "node":
-        found = loop.instances(cluster=node_cluster_name(job, attempt, 0, rank))
-        if len(found) != 1:
-            raise RuntimeError(f"expected one instance of node {rank}, got {len(found)}")
-        return str(found[0]["InstanceId"])
-    found = loop.instances(cluster=cluster_name_for(job, attempt))
+        pat = re.compile(rf"^{re.escape(base)}-a\d+(-t\d+)?-n{rank}(-|$)")
+    else:
+        pat = re.compile(rf"^{re.escape(base)}-a\d+(-t\d+)?(-|$)")
     kind = "head" if rank == 0 else "worker"
-    mine = [i for i in found if i["tags"].get("ray-node-type") == kind]
-    if len(mine) != 1:
-        raise RuntimeError(f"expected one {kind} of attempt {attempt}, got {len(mine)}")
-    return str(mine[0]["InstanceId"])
+    end = time.monotonic() + timeout_s
+    found: list[dict[str, Any]] = []
+    while time.monotonic() < end:
+        running = loop.instances()
+        found = [
+            i for i in running
+            if any(pat.match(str(v)) for v in i["tags"].values())
+            and (grouping == "node" or i["tags"].get("ray-node-type") == kind)
+        ]  # fmt: skip
+        if len(running) == 2 and len(found) == 1:
+            return str(found[0]["InstanceId"])
+        time.sleep(2)
+    raise RuntimeError(f"no single running instance of node {rank}: {len(found)} found")
 
 
 def agent_pid(loop: SkyLoop, iid: str) -> str | None:
@@ -83,6 +91,55 @@ def running_ids(loop: SkyLoop) -> set[str]:
 
 def incidents(loop: SkyLoop, job: str) -> list[dict[str, Any]]:
     return list(loop.get(f"/v1/jobs/{job}/incidents")["items"])
+
+
+def incident(
+    loop: SkyLoop, grouping: str, job: str, first: int, calls: Path, *, notice: bool
+) -> tuple[dict[str, Any], tuple[Any, ...]]:
+    """Node 1 lost (a spot notice with AWS's 2-minute window, or terminated without
+    one); what it cost, once the job resumed validated on a new attempt."""
+    survivor = rank_instance(loop, grouping, job, 0)
+    victim = rank_instance(loop, grouping, job, 1)
+    pid_before = agent_pid(loop, survivor)
+    how = "spot notice on" if notice else "terminating"
+    log(f"{grouping}: {how} node 1 ({victim}); survivor {survivor} agent {pid_before}")
+    n_before = len(incidents(loop, job))
+    wall0, t_kill = time.time(), time.monotonic()
+    assert loop.emu.front is not None
+    if notice:
+        loop.emu.front.preempt(victim, 120.0)
+    else:
+        loop.emu.front.terminate(victim)
+    # The survivor's agent once the loss is seen, before a relaunch reaches it.
+    pid_after_loss = None
+    end = time.monotonic() + 300
+    while time.monotonic() < end:
+        if len(incidents(loop, job)) > n_before:
+            pid_after_loss = agent_pid(loop, survivor)
+            break
+        time.sleep(0.5)
+    s = wait_for(loop, job, "a validated resume",
+                 lambda st, n, v, step, b: n > first and v is not None and step > v,
+                 1200)  # fmt: skip
+    kill_to_resumed = round(time.monotonic() - t_kill, 1)
+    wall1 = time.time()
+    inc = incidents(loop, job)[-1]
+    sky_calls = read_call_log(calls, wall0, wall1)
+    out = {
+        "failure_class": inc.get("failure_class"),
+        "mttr_s": inc.get("mttr_s", inc.get("mttr_seconds")),
+        "steps": inc.get("step_seconds")
+        or {x["step"]: x.get("seconds", x.get("duration_s")) for x in inc.get("steps", [])},
+        "steps_lost": inc.get("steps_lost"),
+        "kill_to_resumed_s": kill_to_resumed,
+        "survivor": survivor,
+        "survivor_instance_kept": survivor in running_ids(loop),
+        "survivor_agent_pid": [pid_before, pid_after_loss, agent_pid(loop, survivor)],
+        "sky_calls": sky_calls,
+        "sky_calls_total": sum(sky_calls.values()),
+    }
+    log(f"{grouping}: {inc.get('failure_class')} {json.dumps(out)}")
+    return out, s
 
 
 def one_grouping(home: Path, grouping: str, steps: int) -> dict[str, Any]:
@@ -107,46 +164,19 @@ def one_grouping(home: Path, grouping: str, steps: int) -> dict[str, Any]:
         out["launch_to_registered_s"] = round(time.monotonic() - t0, 1)
         s = wait_for(loop, job, "training past step 30",
                      lambda st, n, v, step, b: v is not None and step >= 30, 600)  # fmt: skip
-        first = s[1]
-        survivor = node_instance(loop, grouping, job, first, 0)
-        victim = node_instance(loop, grouping, job, first, 1)
-        pid_before = agent_pid(loop, survivor)
-        log(f"{grouping}: terminating node 1 ({victim}); survivor {survivor} agent {pid_before}")
-        wall0, t_kill = time.time(), time.monotonic()
-        assert loop.emu.front is not None
-        loop.emu.front.terminate(victim)
-        # The survivor's agent once the loss is seen and before any relaunch reaches it.
-        pid_after_loss = None
-        end = time.monotonic() + 300
-        while time.monotonic() < end:
-            incs = incidents(loop, job)
-            if incs:
-                pid_after_loss = agent_pid(loop, survivor)
-                break
-            time.sleep(0.5)
-        s = wait_for(loop, job, "a validated resume after the node loss",
-                     lambda st, n, v, step, b: n > first and v is not None and step > v,
-                     1200)  # fmt: skip
-        out["kill_to_resumed_s"] = round(time.monotonic() - t_kill, 1)
-        wall1 = time.time()
-        inc = incidents(loop, job)[-1]
-        out["node_loss"] = {
-            "failure_class": inc.get("failure_class"),
-            "mttr_s": inc.get("mttr_s", inc.get("mttr_seconds")),
-            "steps": inc.get("step_seconds")
-            or {x["step"]: x.get("seconds", x.get("duration_s")) for x in inc.get("steps", [])},
-            "survivor_instance_kept": survivor in running_ids(loop),
-            "survivor_agent_pid": [pid_before, pid_after_loss, agent_pid(loop, survivor)],
-            "sky_calls": read_call_log(calls, wall0, wall1),
-        }
-        out["node_loss"]["sky_calls_total"] = sum(out["node_loss"]["sky_calls"].values())
-        log(f"{grouping}: node loss {json.dumps(out['node_loss'])}")
+        out["preemption"], s = incident(loop, grouping, job, s[1], calls, notice=True)
+        s = wait_for(loop, job, "training on after the resume",
+                     lambda st, n, v, step, b: v is not None and step >= v + 10, 600)  # fmt: skip
+        out["node_loss"], s = incident(loop, grouping, job, s[1], calls, notice=False)
+        out["kill_to_resumed_s"] = out["node_loss"]["kill_to_resumed_s"]
+        survivor = out["node_loss"]["survivor"]
         # A crash mid-recovery: node 0 of the running attempt lost, the service killed
         # once it recorded the relaunch's request.
         ids_now = running_ids(loop)
         target = next((iid for iid in ids_now if iid == survivor), None)
-        if target is None:  # (a): node 0 of the new cluster
-            target = node_instance(loop, grouping, job, s[1], 0)
+        if target is None:  # node 0 of a new cluster
+            target = rank_instance(loop, grouping, job, 0)
+        assert loop.emu.front is not None
         log(f"{grouping}: terminating {target}, then SIGKILL of the service mid-recovery")
         loop.emu.front.terminate(target)
         kill2 = time.time()
@@ -207,6 +237,10 @@ def main() -> int:
         a, b = res["attempt"], res["node"]
         doc["ratios_b_over_a"] = {
             "node_loss_mttr": ratio(b["node_loss"]["mttr_s"], a["node_loss"]["mttr_s"]),
+            "preemption_mttr": ratio(b["preemption"]["mttr_s"], a["preemption"]["mttr_s"]),
+            "preemption_sky_calls": ratio(
+                b["preemption"]["sky_calls_total"], a["preemption"]["sky_calls_total"]
+            ),
             "kill_to_resumed": ratio(b["kill_to_resumed_s"], a["kill_to_resumed_s"]),
             "sky_calls_per_incident": ratio(
                 b["node_loss"]["sky_calls_total"], a["node_loss"]["sky_calls_total"]

@@ -25,7 +25,7 @@ from orchestrator.launchers.skypilot_grouping import (
     node_cluster_name,
     read_call_log,
 )
-from tests.planner.test_skypilot_requests import IMAGE, A2, FakeSky, Handle, request
+from tests.planner.test_skypilot_requests import A2, IMAGE, FakeSky, Handle, request
 
 pytestmark = pytest.mark.filterwarnings("ignore::Warning:sky")
 
@@ -74,7 +74,8 @@ def test_a_fresh_launch_is_node_0_first_then_its_peers_told_its_address_and_zone
     assert Env.MASTER_ADDR not in env0  # node 0 is the rendezvous itself
     assert nodes.progress(handle).phase is LaunchPhase.PROVISIONING
     assert len(fake.submitted("launch")) == 1  # its peer waits for its address
-    ((_, n0, rid0),) = decode(replace(handle, node_ids=("j-7-a1-n0",)))
+    ((_, cluster0, rid0),) = decode(replace(handle, node_ids=("j-7-a1-n0",)))
+    assert cluster0 == N0
     up(fake, rid0, N0, "10.0.0.5", zone="us-central1-b")
     assert nodes.progress(handle).phase is LaunchPhase.PROVISIONING
     assert [kw["cluster_name"] for _, kw in fake.submitted("launch")] == [N0, N1]
@@ -103,8 +104,8 @@ def test_a_join_beside_a_survivor_launches_one_node_and_restarts_the_survivor_al
     ((_, kw),) = fake.submitted("exec")
     assert kw == {"cluster_name": N0}  # only the survivor's own cluster
     assert [c[1] for c in fake.submitted("cancel")] == [N0]
-    assert decode(h) == [("j-7-a2-n0", N0, h.request_id[h.request_id.index("00"):][:0] or
-                          decode(h)[0][2])]  # fmt: skip
+    (exec_rid,) = [r for r, v in fake.requests.items() if v["name"] == "sky.exec"]
+    assert decode(h) == [("j-7-a2-n0", N0, exec_rid)]  # the survivor, now rank 0 of attempt 2
     fresh = replace(req, placement=replace(A2, num_nodes=1), node_rank_base=1,
                     env={**group, Env.NODE_RANK_BASE: "1"})  # fmt: skip
     j = nodes.launch(fresh)
