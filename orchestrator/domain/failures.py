@@ -81,10 +81,19 @@ class Classification:
     """0..1: how sure the classifier is; below ~0.5 treat the class as a guess."""
     evidence: tuple[str, ...]
     """The input lines (or synthetic facts such as ``exit code 76``) the class rests on."""
+    decided_by: str | None = None
+    """The one line (or fact) that decided the class: the line the strongest rule of
+    the winning class matched, the exit code, the notice, the agent's event. Always
+    set above :data:`NAMES_ITS_LINE_ABOVE` confidence, so a confident verdict that an
+    operator acts on (a host drained, a job failed fast) shows what it rests on."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.confidence <= 1.0:
             raise ValueError(f"confidence must be within 0..1, got {self.confidence}")
+        if self.confidence > NAMES_ITS_LINE_ABOVE and not self.decided_by:
+            raise ValueError(
+                f"a {self.failure_class} at {self.confidence} must name its deciding line"
+            )
 
     def to_json_dict(self) -> dict[str, Any]:
         return {
@@ -92,7 +101,12 @@ class Classification:
             "retryable": self.retryable,
             "confidence": round(self.confidence, 3),
             "evidence": list(self.evidence),
+            "decided_by": self.decided_by,
         }
+
+
+#: Above this confidence a classification names its deciding line.
+NAMES_ITS_LINE_ABOVE = 0.9
 
 
 @dataclass(frozen=True)
@@ -100,10 +114,34 @@ class _Rule:
     failure_class: FailureClass
     pattern: re.Pattern[str]
     confidence: float
+    text: str
+    """The pattern as written, before :func:`bounded` wraps it."""
+
+
+#: Not inside a word: no letter or digit on both sides of this position. Every rule is
+#: wrapped in it at both ends, so a pattern matches whole words only where its own edge
+#: is a letter or digit ("AER" is not found inside "cudaError", "Xid" not inside
+#: "Xidle"), and a pattern whose edge is punctuation ("[rank0]", "/dev/shm") is not
+#: constrained at all. The underscore separates words here: the parts of a snake_case
+#: or SCREAMING_CASE name are words of their own ("ECC_UNCORRECTABLE" inside
+#: "CUDA_ERROR_ECC_UNCORRECTABLE", "loss" inside "val_loss"). A rule that means to
+#: accept a longer word says so itself (``checkpoint\w*``). The claim is tested rule by
+#: rule (tests/failures/test_rule_edges.py).
+WORD_EDGE = r"(?:(?<![A-Za-z0-9])|(?![A-Za-z0-9]))"
+
+
+#: A word at a rule's end may be plural ("NVLink ... errors", "timeouts").
+_PLURAL = r"(?:(?<=[A-Za-z])e?s)?"
+
+
+def bounded(pattern: str) -> re.Pattern[str]:
+    """``pattern`` compiled case-insensitively, matching at word edges only (the word
+    at its end may take a plural ``s``)."""
+    return re.compile(f"{WORD_EDGE}(?:{pattern}){_PLURAL}{WORD_EDGE}", re.IGNORECASE)
 
 
 def _r(cls: FailureClass, confidence: float, *patterns: str) -> list[_Rule]:
-    return [_Rule(cls, re.compile(p, re.IGNORECASE), confidence) for p in patterns]
+    return [_Rule(cls, bounded(p), confidence, p) for p in patterns]
 
 
 # Scores: root causes > their symptoms. A CUDA OOM or Xid on one rank leaves every
@@ -124,7 +162,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"GPU is lost",
         r"NVLink.*(fatal|error)",
         r"RmInitAdapter failed",
-        r"Unable to determine the device handle for GPU",
+        r"Unable to determine the device handle for GPU\w*",
         r"GPU requires reset|GPU reset required",
         r"(pcieport|AER).*(error|Timeout)",
         r"PCIe Bus Error",
@@ -275,7 +313,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         _F.HOST_OOM_KILLED,
         0.96,
         r"Out of memory: Kill(ed)? process",
-        r"oom-kill|oom_kill_process|invoked oom-killer",
+        r"oom-kill(ed|er)?|oom_kill_process|invoked oom-killer",
         r"OOMKilled",
         r"Memory cgroup out of memory",
         r"(killed|kill) .*due to (memory pressure|the node running low on memory)",
@@ -355,7 +393,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"loss scale reached (the )?minimum",
         r"encountered (a )?nan",
         r"\b(NaN|Inf) (loss|gradient)s?\b",
-        r"(loss|gradient)s? (is|are|was|were|became|becomes|become) (nan|inf|NaN)",
+        r"(loss|gradient)s? (is|are|was|were|became|becomes|become) (nan|inf(inite)?)",
         r"Detected (NaN|inf)",
         r"contains? (a |some )?(nan|inf)s?\b|\bhas (nan|inf)s?\b",
         r"(nan|inf) (values? )?(found|detected|encountered|appeared)",
@@ -367,7 +405,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         _F.NAN_DIVERGENCE,
         0.5,
         # fp16 overflow: the gradients were Inf; scores low, these repeat in healthy runs.
-        r"overflow detected, setting loss scale to: 0\.0",
+        r"overflow detected, setting loss scale to: 0\.0\d*",
         r"OVERFLOW! Rank \d+ Skipping step",
         r"\b(isnan|isfinite)\(",
         r"Gradient overflow\.\s+Skipping step",
@@ -400,7 +438,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"CPU value .* GPU value",
         r"(GPU|CPU|device) (computes|gives|returns|produces) (a )?different",
         r"(outputs?|results?) differs? (between|from|across)",
-        r"parity.{0,20}fail",
+        r"parity.{0,20}fail\w*",
         r"\bSDC\b|data corruption|bit ?flips?\b",
         r"(wrong|incorrect|corrupt(ed)?|garbage|bogus) (outputs?|results?|values?|gradients?"
         r"|weights?|data|answers?|numbers?)",
@@ -411,7 +449,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"not (bitwise )?(identical|equal|the same) (across|between|on) (ranks|gpus|devices)",
         r"Not equal to tolerance",
         r"checksum (mismatch|failed|error)",
-        r"\bmiscompare",
+        r"\bmiscompar\w*",
         r"non-?deterministic (results?|outputs?)",
         r"Arrays are not (almost )?equal",
         r"not allclose|allclose\(.*\)\s*(is |returns? |-> |= )?False",
@@ -442,7 +480,8 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"truncated file|unexpected end of (file|data)",
         r"Stale file handle",
         r"CheckpointingException",
-        r"(failed|error|unable) (to |while |when )?(sav|load|writ|read)(e|ing)? (the )?checkpoint",
+        r"(failed|error|unable) (to |while |when )?(sav|load|writ|read)(e|ing)? (the )?"
+        r"checkpoint\w*",
         r"File .* cannot be opened",
         r"Unable to load weights from",
     )
@@ -551,7 +590,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"(HW|SW)[ _]?(Thermal[ _]?|Power[ _]?)?Slowdown\s*:\s*Active",
         # Horovod's stall inspector: the collective waits on ranks that are late.
         r"waiting for remainder of ranks",
-        r"\[missing ranks: \d",
+        r"\[missing ranks: \d+",
         r"Stalled ranks:",
         # NCCL's RAS report: some ranks are behind the others in the same collective.
         r"ranks have different \w+ operation counts",
@@ -568,7 +607,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"CUDA driver version is insufficient",
         r"CUDA-capable device\(?s?\)? (is/are|are|is) busy or unavailable",
         r"cudaErrorDevicesUnavailable",
-        r"dcgmi diag.*fail",
+        r"dcgmi diag.*fail\w*",
         r"CUDA driver initialization failed",
         r"Found no NVIDIA driver",
         r"GPU count mismatch",
@@ -591,7 +630,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         _F.CAPACITY_UNAVAILABLE,
         0.9,
         r"InsufficientInstanceCapacity",
-        r"ZONE_RESOURCE_POOL_EXHAUSTED",
+        r"ZONE_RESOURCE_POOL_EXHAUSTED\w*",
         r"do(es)? not have (sufficient|enough) .*capacity",
         r"do(es)? not have enough resources available",
         r"SkuNotAvailable|AllocationFailed",
@@ -605,7 +644,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"(MaxSpotInstanceCount|VcpuLimit|InstanceLimit)Exceeded",
         r"Quota ?Exceeded|exceeded (your |the )?quota|insufficient \w+ quota",
         r"exceeding (the )?approved .*quota",
-        r"resource pool exhausted|stockout|UnfulfillableCapacity",
+        r"resource pool exhausted|stockouts?|UnfulfillableCapacity",
         r"OverconstrainedAllocationRequest|OverconstrainedZonalAllocationRequest",
         r"currently unavailable in (the )?(zone|region|availability zone)",
         # A cloud quota refusal names the metric, what was asked and what the quota
@@ -1092,11 +1131,15 @@ def _innermost_frame(lines: list[str]) -> str | None:
 
 def _scan(lines: list[str]) -> Classification | None:
     best: dict[FailureClass, tuple[float, list[str]]] = {}
+    # The line of each class's strongest hit (the first one, at equal strength).
+    deciding: dict[FailureClass, str] = {}
 
     def hit(cls: FailureClass, confidence: float, line: str) -> None:
         conf, ev = best.get(cls, (0.0, []))
         if line not in ev:
             ev.append(line)
+        if confidence > conf:
+            deciding[cls] = line
         best[cls] = (max(conf, confidence), ev)
 
     for line in lines:
@@ -1140,7 +1183,11 @@ def _scan(lines: list[str]) -> Classification | None:
     cls, (conf, ev) = max(best.items(), key=lambda kv: (kv[1][0], -order.index(kv[0])))
     # Several matching lines of the same class make it a little surer.
     conf = min(1.0, conf + 0.01 * (len(ev) - 1))
-    return Classification(cls, RETRYABLE[cls], conf, tuple(_clip(e) for e in ev[-_MAX_EVIDENCE:]))
+    decided = _clip(deciding[cls])
+    shown = [_clip(e) for e in ev[-_MAX_EVIDENCE:]]
+    if decided not in shown:
+        shown = [decided, *shown[-(_MAX_EVIDENCE - 1) :]]
+    return Classification(cls, RETRYABLE[cls], conf, tuple(shown), decided)
 
 
 def effective_signal(exit_code: int | None, signal: int | str | None) -> int | None:
@@ -1179,13 +1226,13 @@ def classify_failure(
     """
     sig = effective_signal(exit_code, signal)
     if notice_kind:
-        return Classification(
-            _F.PREEMPTION_NOTICE, True, 0.98, (f"preemption notice: {notice_kind}",)
-        )
+        fact = f"preemption notice: {notice_kind}"
+        return Classification(_F.PREEMPTION_NOTICE, True, 0.98, (fact,), fact)
     if exit_code is not None and exit_code in _EXIT_CODES:
         cls = _EXIT_CODES[exit_code]
         name = ExitCode(exit_code).name
-        return Classification(cls, RETRYABLE[cls], 0.95, (f"exit code {exit_code} ({name})",))
+        fact = f"exit code {exit_code} ({name})"
+        return Classification(cls, RETRYABLE[cls], 0.95, (fact,), fact)
 
     report = agent_report or {}
     event = report.get("event")
@@ -1201,7 +1248,7 @@ def classify_failure(
         # (e.g. heartbeats stop because the kernel OOM-killed the rank).
         if scanned is None or scanned.confidence < 0.9 or scanned.failure_class is cls:
             ev = (f"agent: {event}",) + (scanned.evidence if scanned else ())
-            return Classification(cls, RETRYABLE[cls], 0.9, ev[:_MAX_EVIDENCE])
+            return Classification(cls, RETRYABLE[cls], 0.9, ev[:_MAX_EVIDENCE], ev[0])
     rules = _from_scan_or_signal(scanned, sig, lines)
     if model_fallback is None:
         model_fallback = _fm.ON_BY_DEFAULT

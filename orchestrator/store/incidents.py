@@ -94,6 +94,11 @@ def incidents(s: Session, job_id: str) -> list[dict[str, Any]]:
             for i in d.get("consequences", []) or []
             if (e := events.get(i)) is not None
         ]
+        # The classifier's verdict on the cause: its confidence and the line that
+        # decided it (always there above 0.9; docs/failures.md).
+        cause_id = d.get("cause_event_id")
+        cause = events.get(cause_id) if isinstance(cause_id, int) else None
+        verdict = ((cause.details or {}).get("classification") if cause else None) or {}
         evidence = [
             {"event_id": e.id, "node_id": e.node_id, "message": e.message}
             for e in events.values()
@@ -130,6 +135,8 @@ def incidents(s: Session, job_id: str) -> list[dict[str, Any]]:
             {
                 "id": inc.id,
                 "failure_class": inc.failure_class,
+                "confidence": verdict.get("confidence"),
+                "decided_by": verdict.get("decided_by"),
                 "node_id": inc.node_id,
                 "message": inc.message,
                 "attempt": number,

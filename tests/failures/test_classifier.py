@@ -771,13 +771,17 @@ def test_bad_signal_name_is_refused_with_its_name() -> None:
 
 
 def test_json_shape_matches_the_cli_contract() -> None:
-    c = Classification(F.CUDA_OOM, True, 0.95, ("CUDA out of memory",))
+    c = Classification(F.CUDA_OOM, True, 0.95, ("CUDA out of memory",), "CUDA out of memory")
     assert c.to_json_dict() == {
         "class": "cuda_oom",
         "retryable": True,
         "confidence": 0.95,
         "evidence": ["CUDA out of memory"],
+        "decided_by": "CUDA out of memory",
     }
+    # Above 0.9 a classification cannot be made without the line that decided it.
+    with pytest.raises(ValueError, match="deciding line"):
+        Classification(F.CUDA_OOM, True, 0.95, ("CUDA out of memory",))
 
 
 @pytest.mark.parametrize(

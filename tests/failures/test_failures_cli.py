@@ -34,10 +34,14 @@ def test_classify_prints_the_json_contract(app: typer.Typer, tmp_path: Path) -> 
     r = runner.invoke(app, ["classify", str(log), "--exit-code", "1"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
-    assert set(doc) == {"class", "retryable", "confidence", "evidence"}
+    assert set(doc) == {"class", "retryable", "confidence", "evidence", "decided_by"}
     assert doc["class"] == "nccl_transport"
     assert doc["retryable"] is True
     assert any("ncclRemoteError" in e for e in doc["evidence"])
+    # The line that decided it, as it stands in the log.
+    assert doc["confidence"] >= 0.9
+    assert "ncclRemoteError" in doc["decided_by"]
+    assert doc["decided_by"] in IB_LOG.splitlines()
 
 
 def test_classify_reads_exit_code_and_signal(app: typer.Typer, tmp_path: Path) -> None:
