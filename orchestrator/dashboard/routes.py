@@ -40,7 +40,7 @@ from orchestrator.store import repo
 from orchestrator.store.goodput import JobGoodput, fleet_incidents, job_goodput
 from orchestrator.store.incidents import incidents
 from orchestrator.store.live_view import job_live
-from orchestrator.store.models import FailureEvent, ProtocolStep
+from orchestrator.store.models import FailureEvent, Job, ProtocolStep
 from orchestrator.store.series import JobSeries, job_series
 
 _HERE = Path(__file__).resolve().parent
@@ -374,17 +374,65 @@ def job_page(job_id: str, session: SessionDep) -> Response:
     )
 
 
+#: The classes a spot reclaim shows up as (with a notice, or the VM simply gone).
+PREEMPTION_CLASSES = frozenset(
+    {FailureClass.PREEMPTION_NOTICE.value, FailureClass.EXTERNAL_TERMINATION.value}
+)
+_DAY = r"^\d{4}-\d{2}-\d{2}$"
+_FILTER_TEXT = r"^[A-Za-z0-9._\-]*$"
+
+
+def _day(value: str | None) -> datetime | None:
+    return None if not value else datetime.strptime(value, "%Y-%m-%d").replace(tzinfo=UTC)
+
+
 @pages.get("/fleet", response_class=HTMLResponse)
-def fleet_page(session: SessionDep, days: Annotated[int, Query(ge=1, le=3650)] = 30) -> Response:
+def fleet_page(
+    session: SessionDep,
+    days: Annotated[int, Query(ge=1, le=3650)] = 30,
+    start: Annotated[str | None, Query(alias="from", pattern=_DAY)] = None,
+    until: Annotated[str | None, Query(alias="to", pattern=_DAY)] = None,
+    job: Annotated[str | None, Query(max_length=63, pattern=_FILTER_TEXT)] = None,
+    cls: Annotated[str | None, Query(alias="class", max_length=64, pattern=_FILTER_TEXT)] = None,
+    cloud: Annotated[str | None, Query(max_length=32, pattern=_FILTER_TEXT)] = None,
+    region: Annotated[str | None, Query(max_length=64, pattern=_FILTER_TEXT)] = None,
+) -> Response:
+    """Every filter is a query parameter of a GET form, so the URL is the view: a
+    reload, a bookmark or a link shows the same page. ``from``/``to`` (days, UTC)
+    override ``days``; ``job`` is a job id or name; class, cloud and region narrow
+    the incidents (the effective-time chart follows the job filter only: a job has
+    no single cloud)."""
     now = datetime.now(UTC)
-    since = (now - timedelta(days=days)).replace(hour=0, minute=0, second=0, microsecond=0)
-    rows = fleet_incidents(session, since=since)
-    width = timedelta(days=1 if days <= 62 else 7)
-    n = int((now - since) / width) + 1
+    try:
+        since = _day(start) or (now - timedelta(days=days)).replace(
+            hour=0, minute=0, second=0, microsecond=0
+        )
+        last = _day(until)
+        end = now if last is None else last + timedelta(days=1)
+    except ValueError as e:
+        return _render("error.html", 400, title="bad date", message=str(e))
+    if end <= since:
+        return _render("error.html", 400, title="bad range", message="'to' is before 'from'")
+    span_days = max((end - since).days, 1)
+    job_ids: list[str] | None = None
+    if job:
+        job_ids = list(
+            session.scalars(select(Job.id).where((Job.id == job) | (Job.name == job)).limit(100))
+        )
+    rows = [
+        r
+        for r in fleet_incidents(session, since=since, job_ids=job_ids)
+        if r.occurred_at < end
+        and (not cls or r.failure_class == cls)
+        and (not cloud or r.cloud == cloud)
+        and (not region or r.region == region)
+    ]
+    width = timedelta(days=1 if span_days <= 62 else 7)
+    n = int((end - since) / width) + 1
     buckets = [since + k * width for k in range(n)]
 
     def bucket(d: datetime) -> int:
-        return min(int((d - since) / width), n - 1)
+        return min(max(int((d - since) / width), 0), n - 1)
 
     by_class: dict[str, list[int]] = {}
     present = {r.failure_class for r in rows}
@@ -400,14 +448,20 @@ def fleet_page(session: SessionDep, days: Annotated[int, Query(ge=1, le=3650)] =
             return "unplaced"
         return f"{r.cloud} {r.region} {r.instance_type}"
 
-    totals = Counter(place(r) for r in rows)
-    top = [p for p, _ in totals.most_common(8)]
-    by_place: dict[str, list[int]] = {p: [0] * n for p in top}
-    if len(totals) > len(top):
-        by_place["other"] = [0] * n
-    for r in rows:
-        p = place(r)
-        by_place[p if p in top else "other"][bucket(r.occurred_at)] += 1
+    def by_place_of(selected: list[Any]) -> tuple[dict[str, list[int]], Counter[str]]:
+        totals = Counter(place(r) for r in selected)
+        top = [p for p, _ in totals.most_common(8)]
+        out: dict[str, list[int]] = {p: [0] * n for p in top}
+        if len(totals) > len(top):
+            out["other"] = [0] * n
+        for r in selected:
+            p = place(r)
+            out[p if p in top else "other"][bucket(r.occurred_at)] += 1
+        return out, totals
+
+    by_place, totals = by_place_of(rows)
+    preempted = [r for r in rows if r.failure_class in PREEMPTION_CLASSES]
+    by_preempt, preempt_totals = by_place_of(preempted)
 
     per_place: dict[str, Counter[str]] = defaultdict(Counter)
     for r in rows:
@@ -429,17 +483,64 @@ def fleet_page(session: SessionDep, days: Annotated[int, Query(ge=1, le=3650)] =
         "fleet-places",
         "incidents by region and instance type over time",
     )
+    preempt_chart = charts.stacked_columns(
+        buckets,
+        by_preempt,
+        charts.series_colours(list(by_preempt)),
+        label,
+        "fleet-preemptions",
+        "preemptions by region and instance type over time",
+    )
+    # Effective training time of the jobs submitted in each bucket: productive
+    # seconds over wall seconds, summed (a long job weighs what it ran).
+    jobs_q = select(Job.id).where(Job.created_at >= since, Job.created_at < end)
+    if job_ids is not None:
+        jobs_q = jobs_q.where(Job.id.in_(job_ids or [""]))
+    sums: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for jid in session.scalars(jobs_q.order_by(Job.created_at).limit(500)):
+        rep = job_goodput(session, jid, now=now)
+        k = bucket(rep.started_at)
+        sums[k][0] += rep.productive_seconds
+        sums[k][1] += rep.wall_seconds
+    effective = [
+        (buckets[k] + width / 2, 100.0 * p / w) for k, (p, w) in sorted(sums.items()) if w > 0
+    ]
+    effective_chart = charts.line_chart(
+        {"effective training time": effective},
+        since,
+        end,
+        [],
+        "fleet-effective",
+        "effective training time over time (jobs by submission)",
+        " %",
+    )
+    filters = {
+        "days": days,
+        "from": start or "",
+        "to": until or "",
+        "job": job or "",
+        "class": cls or "",
+        "cloud": cloud or "",
+        "region": region or "",
+    }
     return _render(
         "fleet.html",
         days=days,
         since=since,
+        end=end,
         total=len(rows),
         jobs=len({r.job_id for r in rows}),
         class_chart=class_chart,
         place_chart=place_chart,
+        preempt_chart=preempt_chart,
+        effective_chart=effective_chart,
+        preemptions=len(preempted),
+        preempt_totals=preempt_totals.most_common(),
         class_totals=Counter(r.failure_class for r in rows).most_common(),
         place_totals=[(p, c, per_place[p].most_common()) for p, c in totals.most_common()],
         bucket=label,
+        filters=filters,
+        classes=[str(c) for c in FailureClass],
         nav="fleet",
     )
 

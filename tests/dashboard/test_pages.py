@@ -257,3 +257,47 @@ def test_the_live_fragment_is_the_section_alone_and_needs_the_login(
     assert anonymous.get(f"/dashboard/jobs/{seeded['evil']}/live").status_code == 303
     done = browser_client.get(f"/dashboard/jobs/{seeded['good']}/live").text
     assert 'data-final="1"' in done  # live.js stops polling a finished job
+
+
+def _svg(page: str, chart_id: str) -> str:
+    return re.search(rf'<svg[^>]*id="{chart_id}".*?</svg>', page, re.S).group(0)
+
+
+def test_fleet_filters_narrow_every_chart_and_stay_in_the_form(browser_client, seeded):
+    everything = browser_client.get("/dashboard/fleet?from=2026-11-01&to=2026-11-30").text
+    assert "3 incidents in 2 jobs" in everything
+    # Preemptions: only the notice on aws us-east-1 (node_lost is not a preemption).
+    table = re.search(r'<table id="preemption-table">.*?</table>', everything, re.S).group(0)
+    assert "aws us-east-1 p4d.24xlarge" in table and "gcp" not in table
+    # Effective training time: one point per submission day of the seeded jobs.
+    assert _svg(everything, "fleet-effective").count('class="point"') == 1
+
+    page = browser_client.get(
+        "/dashboard/fleet?from=2026-11-01&to=2026-11-30&class=node_lost&cloud=gcp"
+    ).text
+    assert "1 incident in 1 job" in page
+    assert "node_lost: 1" in _svg(page, "fleet-classes")
+    assert "preemption_notice" not in _svg(page, "fleet-classes")
+    # The form shows the filters the URL holds, so submitting it again keeps them.
+    assert '<option value="node_lost" selected>' in page
+    assert 'id="cloud" name="cloud" size="6" value="gcp"' in page
+    assert 'id="from" name="from" value="2026-11-01"' in page
+
+    by_job = browser_client.get(f"/dashboard/fleet?days=3650&job={seeded['good']}").text
+    assert "2 incidents in 1 job" in by_job
+    by_region = browser_client.get("/dashboard/fleet?days=3650&region=eu-west-1").text
+    assert "1 incident in 1 job" in by_region
+    assert (
+        "0 incidents in 0 jobs"
+        in browser_client.get("/dashboard/fleet?from=2026-10-01&to=2026-10-31").text
+    )
+
+
+@pytest.mark.parametrize(
+    "query", ["from=2026-13-01", "from=2026-11-30&to=2026-11-01", "job=<script>"], ids=str
+)
+def test_fleet_refuses_a_bad_filter_with_a_status_not_a_crash(browser_client, query):
+    r = browser_client.get(f"/dashboard/fleet?{query}")
+    assert r.status_code in (400, 422)
+    # A 422 is JSON (never rendered as a page); an HTML answer never carries the input raw.
+    assert r.headers["content-type"].startswith("application/json") or "<script>" not in r.text
