@@ -26,7 +26,7 @@ import typer
 from rich.table import Column, Table
 
 from orchestrator import server
-from orchestrator.commands import cloud, failures, goodput, plan, recovery, tokens
+from orchestrator.commands import cloud, failures, goodput, operator, plan, recovery, tokens
 from orchestrator.commands.common import (
     Client,
     Output,
@@ -336,7 +336,7 @@ def db_current(db_url: Annotated[str | None, typer.Option("--db-url")] = None) -
 
 
 # After the core commands, so that --help lists them first.
-for area in (cloud, failures, goodput, plan, recovery, tokens):
+for area in (cloud, failures, goodput, operator, plan, recovery, tokens):
     area.register(app)
 
 

@@ -70,6 +70,7 @@ def list_attempts(job_id: str, session: SessionDep) -> dict[str, Any]:
                     {
                         "node_id": n.node_id,
                         "node_rank": n.node_rank,
+                        "address": n.address,
                         "state": n.state,
                         "last_heartbeat_at": n.last_heartbeat_at,
                         "ranks": (n.progress or {}).get("ranks", []),

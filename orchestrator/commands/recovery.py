@@ -185,7 +185,10 @@ def register(app: typer.Typer) -> None:
         if output is Output.json:
             print_json(data)
             return
-        t = Table("ATTEMPT", "STATE", "WHERE", "NODES", "TRAINED", "RANK STEPS", "ENDED BECAUSE")
+        t = Table(
+            "ATTEMPT", "STATE", "WHERE", "NODES", "ADDRESSES", "TRAINED", "RANK STEPS",
+            "ENDED BECAUSE",
+        )
         for a in data["items"]:
             steps = [r.get("step") for n in a["nodes"] for r in n["ranks"]]
             t.add_row(
@@ -193,6 +196,8 @@ def register(app: typer.Typer) -> None:
                 a["state"],
                 f"{a['cloud']}/{a['region']}",
                 str(a["num_nodes"]),
+                # Each node's address by node rank: where to look when one misbehaves.
+                " ".join(f"{n['node_rank']}={n.get('address') or '?'}" for n in a["nodes"]),
                 attempt_progress(a),
                 ",".join("-" if s is None else str(s) for s in steps),
                 a.get("end_reason") or "",
