@@ -38,6 +38,7 @@ from orchestrator.commands.common import (
     load_settings,
     print_json,
     redact_url,
+    visible,
 )
 
 app = typer.Typer(
@@ -124,6 +125,13 @@ def serve(
         fail(f"cannot open the database {url}: {e}")
     except (server.LocalNetworkError, PackageUnavailable, NotRoutable, server.TLSError) as e:
         fail(str(e), 2)
+    except (server.AlreadyServing, server.TokenFileError) as e:
+        fail(str(e))
+    try:
+        server.bind_service(service)  # before the banner: a port in use is one line
+    except server.BindError as e:
+        service.cleanup.close()
+        fail(str(e))
     where = "SKYRESUME_TOKEN" if settings.token else str(settings.token_path)
     reconciler = f"on, launcher {settings.launcher}" if service.reconciler else "off"
     if service.reconciler is not None:
@@ -176,7 +184,7 @@ def submit(
             err_console.print(
                 f"# {out['cluster_name']} on {out['placement']}", markup=False, highlight=False
             )
-            print(out["task_yaml"], end="")
+            print(visible(out["task_yaml"]), end="")
         return
     job = Client().request(
         "POST", "/v1/jobs", content=text, headers={"content-type": "application/yaml"}

@@ -21,6 +21,7 @@ Stdlib only at import, and Python 3.9 at import: the agent imports
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -187,22 +188,61 @@ class WheelCache:
         """The ``orchestrator`` package whose tree is built (default: this process's)."""
         self._lock = threading.Lock()
         self._wheel: AgentWheel | None = None
+        self._failed: PackageUnavailable | None = None
+        self._started = False
+        self._done = threading.Event()
+
+    def start(self) -> None:
+        """Build in a background thread (at most once): the service answers meanwhile,
+        and the package routes read the outcome with :meth:`outcome`."""
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        threading.Thread(target=self._build_quietly, name="agent-wheel", daemon=True).start()
+
+    def _build_quietly(self) -> None:
+        with contextlib.suppress(PackageUnavailable):  # kept in _failed
+            self.wheel()
+
+    def outcome(self) -> AgentWheel | PackageUnavailable | None:
+        """The build's outcome without waiting: the wheel, the failure (kept: a failed
+        build is not retried per request), or None while it is being built."""
+        if not self._done.is_set():
+            return None
+        return self._failed or self._wheel
 
     def wheel(self) -> AgentWheel:
-        """The wheel of this service's source tree (built on first use)."""
+        """The wheel of this service's source tree (built on first use). A failure is
+        kept and raised again at once: a build is seconds of ``pip wheel``, and an
+        anonymous request must never start one again (45 of them, each rebuilding
+        under the lock, held worker threads for 6.6 s)."""
         with self._lock:  # one build at a time; the others wait and reuse it
+            self._started = True
+            if self._failed is not None:
+                raise self._failed
             if self._wheel is not None and self._wheel.path.is_file():
                 return self._wheel
-            root = source_root(self._package_dir)
-            version = orchestrator.__version__
-            digest = source_digest(root, files := source_files(root))
-            out = self.dir / f"{version}-{digest[:16]}"
-            found = sorted(out.glob("*.whl")) if out.is_dir() else []
-            path = found[0] if found else self._build(root, files, digest, out)
-            self._wheel = AgentWheel(
-                path=path, version=version, build=digest, sha256=_sha256_file(path)
-            )
+            try:
+                self._wheel = self._find_or_build()
+            except PackageUnavailable as e:
+                self._failed = e
+                raise
+            except OSError as e:
+                self._failed = PackageUnavailable(f"building the agent wheel failed: {e}")
+                raise self._failed from None
+            finally:
+                self._done.set()
             return self._wheel
+
+    def _find_or_build(self) -> AgentWheel:
+        root = source_root(self._package_dir)
+        version = orchestrator.__version__
+        digest = source_digest(root, files := source_files(root))
+        out = self.dir / f"{version}-{digest[:16]}"
+        found = sorted(out.glob("*.whl")) if out.is_dir() else []
+        path = found[0] if found else self._build(root, files, digest, out)
+        return AgentWheel(path=path, version=version, build=digest, sha256=_sha256_file(path))
 
     def _build(self, root: Path, files: list[str], digest: str, out: Path) -> Path:
         self.dir.mkdir(parents=True, exist_ok=True)

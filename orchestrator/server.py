@@ -1,14 +1,19 @@
 """Wiring the service for ``skyresume serve`` and the schema for ``skyresume db``.
 
-``skyresume serve`` is, in order: pick the port (:func:`bind_settings`), migrate the
-embedded database and build the app (:func:`build_service`), give it a launcher and a
-reconciler (:func:`attach_reconciler`), then run uvicorn with the reconciler started
-and release both when it returns (:func:`run_service`). The ``db`` commands move the
+``skyresume serve`` is, in order: pick the port (:func:`bind_settings`); check TLS
+files, hold the SQLite file (one ``serve`` per file), migrate the embedded database,
+check that the database answers at this code's schema revision, and build the app
+(:func:`build_service`), with a launcher and a reconciler not yet started
+(:func:`attach_reconciler`); bind (:func:`bind_service`: a port in use is one line
+and nothing has started); then run uvicorn with the limits of
+``api/connections.py``, the reconciler started, and release both when it returns
+(:func:`run_service`). The ``db`` commands move the
 schema with Alembic through :mod:`orchestrator.store.db` (:func:`migrate`,
 :func:`current_revision`).
 
 Nothing here prints or exits: a failure the operator can fix (a database that cannot
-be opened or migrated) raises :class:`DatabaseError`, and the CLI turns it into its
+be opened or migrated, a port in use, a bad TLS file) raises its own error class, and
+the CLI turns it into its
 one ``error:`` line. Every heavy import (FastAPI, SQLAlchemy, uvicorn, launchers)
 happens inside the function that needs it, so importing this module is as cheap as
 ``skyresume --help`` must be.
@@ -17,8 +22,10 @@ happens inside the function that needs it, so importing this module is as cheap 
 from __future__ import annotations
 
 import contextlib
+import errno
 import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
@@ -37,6 +44,12 @@ class TLSError(ValueError):
     bundle that holds no certificate (the message names the file and why)."""
 
 
+def _no_password() -> bytes:
+    # OpenSSL asks this instead of prompting on the tty (it did, twice: once here and
+    # once inside uvicorn); an empty password fails the load, which names the fix.
+    return b""
+
+
 def check_tls(settings: Settings) -> None:
     """Load what ``serve`` will use for HTTPS now, so a bad file is one line at start
     and not a traceback from inside uvicorn (or a node that cannot verify us later)."""
@@ -48,16 +61,100 @@ def check_tls(settings: Settings) -> None:
         raise TLSError(str(e)) from None
     if settings.tls_cert is None or settings.tls_key is None:
         return
+    for name, path in (("tls_cert", settings.tls_cert), ("tls_key", settings.tls_key)):
+        try:  # each file named on its own: load_cert_chain's error names neither
+            with open(path, "rb"):
+                pass
+        except OSError as e:
+            why = "no such file" if isinstance(e, FileNotFoundError) else e.strerror
+            raise TLSError(f"{name} (SKYRESUME_{name.upper()}) {path}: {why}") from None
+    if b"ENCRYPTED" in settings.tls_key.read_bytes()[:4096]:
+        raise TLSError(
+            f"tls_key {settings.tls_key} is encrypted: serve reads an unencrypted key "
+            "(openssl pkey -in KEY -out PLAIN), kept readable by the service alone"
+        )
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
-        ctx.load_cert_chain(settings.tls_cert, settings.tls_key)
-    except FileNotFoundError as e:
-        raise TLSError(f"tls_cert/tls_key: {e.filename}: no such file") from None
+        ctx.load_cert_chain(settings.tls_cert, settings.tls_key, password=_no_password)
     except (ssl.SSLError, OSError) as e:
         raise TLSError(
             f"tls_cert {settings.tls_cert} with tls_key {settings.tls_key} do not load: "
             f"{getattr(e, 'reason', None) or e}"
         ) from None
+
+
+class TokenFileError(RuntimeError):
+    """The local operator token file cannot be read or written (the message names it)."""
+
+
+class BindError(RuntimeError):
+    """The service cannot listen where it was told (the message is the one line)."""
+
+
+class AlreadyServing(RuntimeError):
+    """Another ``serve`` holds this SQLite database (the message names its pid)."""
+
+
+def hold_sqlite(settings: Settings, cleanup: contextlib.ExitStack) -> None:
+    """One ``serve`` per SQLite file: an exclusive ``flock`` on ``<db>.serve.lock``,
+    held until the service ends, with the holder's pid written in it.
+
+    Two services on one file would each run a reconciler with its own in-memory
+    heartbeats and launch each other's nodes; SQLite's own locks keep the file
+    whole, not the protocol. The kernel drops the lock when the process dies, so a
+    killed service never leaves a stale one."""
+    import fcntl
+    import os
+
+    url = settings.effective_database_url
+    if not url.startswith("sqlite"):
+        return
+    path = url.split("///", 1)[-1]
+    if not path or path == ":memory:":
+        return
+    lock = Path(path + ".serve.lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        held = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise AlreadyServing(
+            f"another skyresume serve (pid {held}) is serving the database {path}; "
+            "stop it, or give this one its own SKYRESUME_HOME or SKYRESUME_DATABASE_URL"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    cleanup.callback(os.close, fd)
+
+
+def check_schema(url: str, *, older_ok: bool = False) -> None:
+    """:class:`DatabaseError` unless ``url`` answers and is at this code's revision:
+    an empty schema, an older one or a newer one each name what to run (``older_ok``:
+    before an automatic upgrade, only a newer one is refused)."""
+    from orchestrator.store import db
+
+    try:
+        current = db.current_revision(url)
+        head = db.head_revision()
+        known = db.known_revisions()
+    except Exception as e:  # unreachable, wrong user or password, no such database
+        raise DatabaseError.of(e) from e
+    if current == head or (older_ok and (current is None or current in known)):
+        return
+    if current is None:
+        raise DatabaseError(f"the schema is empty (this code needs revision {head}): "
+                            "run `skyresume db upgrade`")  # fmt: skip
+    if current not in known:
+        raise DatabaseError(
+            f"the schema is at revision {current}, newer than this code knows (its newest "
+            f"is {head}): run the skyresume that upgraded it, or downgrade with that one"
+        )
+    raise DatabaseError(
+        f"the schema is at revision {current}, older than this code's {head}: "
+        "run `skyresume db upgrade`"
+    )
 
 
 class DatabaseError(RuntimeError):
@@ -80,6 +177,8 @@ class Service:
     reconciler: Reconciler | None
     cleanup: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     """Releases what the launcher holds (run on exit, after the reconciler stops)."""
+    sockets: list[socket.socket] = field(default_factory=list)
+    """Bound by :func:`bind_service` before anything starts."""
 
 
 def bind_settings(settings: Settings) -> Settings:
@@ -97,19 +196,79 @@ def build_service(settings: Settings) -> Service:
     """Migrate the embedded database (when the settings say so), build the app and,
     when the reconciler is on, attach it with its launcher (not started)."""
     from orchestrator.api.app import create_app
+    from orchestrator.api.auth import ensure_local_token
     from orchestrator.store import db
 
     check_tls(settings)
+    cleanup = contextlib.ExitStack()
     try:
-        if settings.should_auto_migrate:
-            db.upgrade(settings.effective_database_url)
-        app = create_app(settings)
-    except Exception as e:  # any driver's error: the operator fixes the URL or the server
-        raise DatabaseError.of(e) from e
-    service = Service(settings=settings, app=app, reconciler=None)
-    if settings.reconcile:
-        service.reconciler = attach_reconciler(app, service.cleanup)
+        hold_sqlite(settings, cleanup)
+        try:
+            ensure_local_token(settings)
+        except OSError as e:
+            raise TokenFileError(
+                f"cannot keep the operator token in {settings.token_path}: "
+                f"{e.strerror or e} (SKYRESUME_HOME, or set SKYRESUME_TOKEN)"
+            ) from None
+        try:
+            if settings.should_auto_migrate:
+                # A newer schema is never "upgraded" (Alembic's answer would be that it
+                # cannot find the revision): it is refused, naming both revisions.
+                check_schema(settings.effective_database_url, older_ok=True)
+                db.upgrade(settings.effective_database_url)
+        except DatabaseError:
+            raise
+        except Exception as e:  # any driver's error: the operator fixes the URL or server
+            raise DatabaseError.of(e) from e
+        # Before anything binds or starts: a database that is unreachable, empty, older
+        # or newer is one line now, not a 500 with a traceback on every call later.
+        check_schema(settings.effective_database_url)
+        try:
+            app = create_app(settings)
+        except Exception as e:
+            raise DatabaseError.of(e) from e
+        service = Service(settings=settings, app=app, reconciler=None, cleanup=cleanup)
+        if settings.reconcile:
+            service.reconciler = attach_reconciler(app, service.cleanup)
+        else:
+            # Built once, now, in the background: the package routes serve its outcome.
+            wheels = _wheel_cache(app)
+            if not settings.agent_package.strip():
+                wheels.start()
+    except BaseException:
+        cleanup.close()
+        raise
     return service
+
+
+def _wheel_cache(app: FastAPI) -> Any:
+    from orchestrator.package import WheelCache
+
+    wheels = getattr(app.state, "agent_wheels", None) or WheelCache(app.state.settings.home)
+    app.state.agent_wheels = wheels
+    return wheels
+
+
+def bind_service(service: Service) -> None:
+    """Listen where the settings say (and on the nodes' bridge); :class:`BindError`
+    with one line when the port is taken or the address is not this machine's.
+    Nothing has started yet: no reconciler runs for a service that cannot serve."""
+    settings = service.settings
+    try:
+        service.sockets.append(_bind(settings.host, settings.port))
+        gateway = _node_address(service)
+        if gateway is not None and settings.host not in ("0.0.0.0", "::", gateway):
+            service.sockets.append(_bind(gateway, settings.port))  # where the nodes reach us
+    except OSError as e:
+        for sock in service.sockets:
+            sock.close()
+        service.sockets.clear()
+        where = f"{settings.host}:{settings.port}"
+        if e.errno == errno.EADDRINUSE:
+            why = "the port is in use (another skyresume serve?); set SKYRESUME_PORT or --port"
+        else:
+            why = f"{e.strerror or e} (SKYRESUME_HOST, SKYRESUME_PORT)"
+        raise BindError(f"cannot listen on {where}: {why}") from None
 
 
 def run_service(service: Service) -> None:
@@ -117,8 +276,13 @@ def run_service(service: Service) -> None:
     then stop the reconciler and release the launcher, in that order."""
     import uvicorn
 
-    settings = service.settings
+    from orchestrator.api.connections import uvicorn_config
+
     with service.cleanup:
+        if not service.sockets:
+            bind_service(service)  # bound first: a port in use starts nothing
+        for sock in service.sockets:
+            service.cleanup.callback(sock.close)
         # Heartbeats flush in batches from here on; the last flush runs on the way out,
         # after the reconciler stopped (callbacks run last-registered first).
         service.app.state.liveness.start()
@@ -131,21 +295,10 @@ def run_service(service: Service) -> None:
             # Registered last, so it runs first: no reconcile pass may use a launcher
             # that has already been released.
             service.cleanup.callback(service.reconciler.stop)
-        config = uvicorn.Config(
-            service.app,
-            host=settings.host,
-            port=settings.port,
-            log_level="warning",
-            ssl_certfile=settings.tls_cert,
-            ssl_keyfile=settings.tls_key,
-        )
-        sockets = [_bind(settings.host, settings.port)]
-        gateway = _node_address(service)
-        if gateway is not None and settings.host not in ("0.0.0.0", "::", gateway):
-            sockets.append(_bind(gateway, settings.port))  # where the nodes reach us
+        config = uvicorn_config(service.app, service.settings)
         # What uvicorn.run does, with our sockets: Ctrl-C is a clean stop.
         with contextlib.suppress(KeyboardInterrupt):
-            uvicorn.Server(config).run(sockets=sockets)
+            uvicorn.Server(config).run(sockets=service.sockets)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -330,14 +483,12 @@ def attach_reconciler(
     """Give ``app`` a launcher (for chaos and status) and a reconciler, not yet started;
     the launcher's release goes on ``cleanup``."""
     from orchestrator.domain.reconcile import ReconcileConfig
-    from orchestrator.package import WheelCache
     from orchestrator.reconciler.loop import Reconciler
 
     settings: Settings = app.state.settings
     # One wheel per service: the one whose sha256 the nodes are handed is the one the
     # package route serves, even if the checkout is edited while the service runs.
-    wheels = getattr(app.state, "agent_wheels", None) or WheelCache(settings.home)
-    app.state.agent_wheels = wheels
+    wheels = _wheel_cache(app)
     launcher = make_launcher(settings, app.state.token, cleanup, wheels)
     app.state.launcher = launcher
     rec = Reconciler(

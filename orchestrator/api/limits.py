@@ -7,6 +7,8 @@
   over its limit is 413 naming the limit, refused from ``Content-Length`` before it is
   read, or (chunked) as soon as the bytes read pass it. Without this one
   node's token stored a 50 MB report.
+* Header fields: at most ``Settings.max_headers`` (431); their size is h11's limit
+  (``api/connections.py``).
 * NUL in the path or the query: 422. PostgreSQL cannot compare text holding NUL, so
   ``/v1/jobs/%00`` reached the database as an error (500).
 * A 422 never echoes a large input back: pydantic puts the whole offending value in
@@ -59,8 +61,9 @@ def _json(status: int, detail: str) -> JSONResponse:
 class RequestLimits:
     """ASGI middleware: body size limits and NUL-free URLs (the module docstring)."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, max_headers: int = 100) -> None:
         self.app = app
+        self.max_headers = max_headers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -71,6 +74,10 @@ class RequestLimits:
         if "\x00" in path or "\x00" in query:
             where = "path" if "\x00" in path else "query string"
             await _json(422, f"the URL's {where} holds a NUL character (%00)")(scope, receive, send)
+            return
+        if len(scope.get("headers") or ()) > self.max_headers:
+            msg = f"the request has more than {self.max_headers} header fields"
+            await _json(431, msg)(scope, receive, send)
             return
         limit = body_limit_for(path)
         what = f"{scope.get('method', '')} {path[:200]}"

@@ -54,6 +54,7 @@ from orchestrator.api.auth import (
     operator_principal,
     token_matches,
 )
+from orchestrator.api.backpressure import heartbeat_limiter
 from orchestrator.api.deps import forbid_unless, unauthorized
 from orchestrator.api.limits import validation_error_response
 from orchestrator.api.schemas import MAX_CURSOR, NODE_ID_PATTERN, NodeId, no_parent_segment
@@ -492,7 +493,8 @@ def register(
         raise
     live.registered(job_id, attempt, node_id)
     issued = job_token(request.app.state.token, job_id, attempt) if enrolment else None
-    return RegisterOut(heartbeat_s=HEARTBEAT_S, command_cursor=cursor, agent_token=issued)
+    period = max(HEARTBEAT_S, request.app.state.pressure.interval_s)
+    return RegisterOut(heartbeat_s=period, command_cursor=cursor, agent_token=issued)
 
 
 @_node_router.post("/heartbeat")
@@ -506,14 +508,19 @@ async def heartbeat(
     No database on this path (store/liveness.py): the beat is checked against the
     in-memory cache and kept for the next batched flush, so 2,048 nodes cost no
     transaction each and the event loop never waits on a connection. Only a cache
-    miss (a job this replica has not loaded) reads SQL, in a worker thread."""
+    miss (a job this replica has not loaded) reads SQL, in a worker thread of the
+    heartbeat path's own (``backpressure.heartbeat_limiter``: other routes cannot take
+    them). The answer names ``interval_s`` when the fleet is big enough that agents
+    must beat less often than ``HEARTBEAT_S`` (``backpressure.interval_for``)."""
     live: LiveHeartbeats = request.app.state.liveness
     verdict = live.check(job_id, attempt, node_id)
     if verdict is Verdict.MISS:
         if await request.is_disconnected():  # it gave up while queued: spare the read
             return {}
         try:
-            verdict = await anyio.to_thread.run_sync(live.load, job_id, attempt, node_id)
+            verdict = await anyio.to_thread.run_sync(
+                live.load, job_id, attempt, node_id, limiter=_heartbeat_threads(request)
+            )
         except NotFound as e:
             raise _translate(e) from None
     if verdict is Verdict.NOT_CURRENT:
@@ -526,8 +533,17 @@ async def heartbeat(
         )
     live.record(job_id, attempt, node_id, body.model_dump(mode="json"))
     if not live.batched:  # no flusher runs (an embedded app): write it through now
-        await anyio.to_thread.run_sync(live.flush)
-    return {}
+        await anyio.to_thread.run_sync(live.flush, limiter=_heartbeat_threads(request))
+    interval = request.app.state.pressure.interval_s
+    return {"interval_s": interval} if interval > HEARTBEAT_S else {}
+
+
+def _heartbeat_threads(request: Request) -> anyio.CapacityLimiter:
+    """The heartbeat path's worker threads (made on first use, inside the loop)."""
+    limiter = getattr(request.app.state, "heartbeat_threads", None)
+    if limiter is None:
+        limiter = request.app.state.heartbeat_threads = heartbeat_limiter()
+    return limiter
 
 
 def _check_commands(
@@ -697,18 +713,26 @@ def _wheels(request: Request) -> agent_package.WheelCache:
     return cache
 
 
-def _current_wheel(request: Request) -> agent_package.AgentWheel:
-    try:
-        return _wheels(request).wheel()
-    except agent_package.PackageUnavailable as e:
-        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(e)) from None
+async def _current_wheel(request: Request) -> agent_package.AgentWheel:
+    """The wheel, built once in the background (``serve`` starts it): a request during
+    the build waits on the event loop, holding no worker thread, and a failed build
+    is 503 with its reason at once, every time, without building again."""
+    cache = _wheels(request)
+    cache.start()
+    deadline = time.monotonic() + agent_package.BUILD_TIMEOUT_S
+    while (outcome := cache.outcome()) is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if isinstance(outcome, agent_package.AgentWheel):
+        return outcome
+    why = str(outcome) if outcome is not None else "the agent wheel is still being built"
+    raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, why)
 
 
 @_package_router.get("/package", response_model=PackageOut)
-def package_info(request: Request) -> PackageOut:
+async def package_info(request: Request) -> PackageOut:
     """The agent package this service serves (built from its own source on first use).
     503 when there is no source tree to build it from (the detail says what to do)."""
-    wheel = _current_wheel(request)
+    wheel = await _current_wheel(request)
     base = request.app.state.settings.effective_service_url
     return PackageOut(
         version=wheel.version,
@@ -721,9 +745,9 @@ def package_info(request: Request) -> PackageOut:
 
 
 @_package_router.get("/dist/{filename}", response_class=FileResponse)
-def package_file(request: Request, filename: str) -> FileResponse:
+async def package_file(request: Request, filename: str) -> FileResponse:
     """The wheel's bytes. Any other name is 404 naming the one file served here."""
-    wheel = _current_wheel(request)
+    wheel = await _current_wheel(request)
     if filename != wheel.filename:  # compared, never joined to a path: no traversal
         raise HTTPException(
             status.HTTP_404_NOT_FOUND,

@@ -25,8 +25,34 @@ if TYPE_CHECKING:
 
     from orchestrator.settings import Settings
 
-console = Console()
-err_console = Console(stderr=True)
+#: Characters shown by name instead of sent to the terminal: C0/C1 controls (ESC
+#: starts clear-screen and OSC sequences, CR overwrites a line) and the bidirectional
+#: overrides that reorder what a reader sees. Tab and newline are layout, kept.
+_HIDDEN = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c not in (9, 10)}
+_HIDDEN |= {c: f"\\u{c:04x}" for c in (0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F),
+                                       *range(0x2066, 0x206A))}  # fmt: skip
+
+
+def visible(text: str) -> str:
+    """``text`` with every control character spelled out (``\\x1b``), so stored text
+    (an event's message, a node's hostname: an agent token can write both) cannot
+    clear the operator's screen, retitle the window or hide a line."""
+    return text.translate(_HIDDEN)
+
+
+class TextConsole(Console):
+    """A console that shows every string as text: no Rich markup (an event message
+    holding ``[/path]`` crashed ``skyresume events``), no emoji codes, and control
+    characters made :func:`visible`. Table cells and titles are strings rendered
+    here too, so no command can forget it."""
+
+    def render_str(self, text: str, **kw: Any) -> Any:
+        kw.update(markup=False, emoji=False)
+        return super().render_str(visible(text), **kw)
+
+
+console = TextConsole()
+err_console = TextConsole(stderr=True)
 
 
 class Output(StrEnum):
@@ -65,8 +91,9 @@ def load_settings(**overrides: Any) -> Settings:
         return Settings(**overrides)
     except ValidationError as e:
         first = e.errors()[0]
-        name = str(first["loc"][0]) if first["loc"] else "?"
-        fail(f"bad setting SKYRESUME_{name.upper()}: {first['msg']}", 2)
+        if not first["loc"]:  # a check across settings (TLS pair): its message names them
+            fail(f"bad settings: {first['msg'].removeprefix('Value error, ')}", 2)
+        fail(f"bad setting SKYRESUME_{str(first['loc'][0]).upper()}: {first['msg']}", 2)
 
 
 def describe_error(r: Any) -> str:

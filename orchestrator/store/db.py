@@ -50,7 +50,9 @@ def make_engine(url: str) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    return create_engine(url, pool_pre_ping=True)
+    # A server that does not answer is an error in 10 s, not a hang (serve's check).
+    connect = {"connect_timeout": 10} if url.startswith("postgresql+psycopg") else {}
+    return create_engine(url, pool_pre_ping=True, connect_args=connect)
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
@@ -92,6 +94,14 @@ def head_revision() -> str:
     head = ScriptDirectory.from_config(_alembic_config("sqlite://")).get_current_head()
     assert head is not None, "migrations/ has no revisions"
     return str(head)
+
+
+def known_revisions() -> frozenset[str]:
+    """Every revision in ``migrations/``: one not here is newer than this code."""
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory.from_config(_alembic_config("sqlite://"))
+    return frozenset(r.revision for r in script.walk_revisions())
 
 
 def current_revision(url: str) -> str | None:
