@@ -287,6 +287,8 @@ def run_service(service: Service) -> None:
         # after the reconciler stopped (callbacks run last-registered first).
         service.app.state.liveness.start()
         service.cleanup.callback(service.app.state.liveness.stop)
+        # Beats are refused (503 + Retry-After) while the loop lags (api/backpressure.py).
+        service.app.state.pressure.arm()
         # Alerts and the run's time series (orchestrator/alerts/loop.py).
         service.app.state.operator.start()
         service.cleanup.callback(service.app.state.operator.stop)

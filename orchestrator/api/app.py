@@ -27,6 +27,7 @@ from orchestrator.api import (
     routes_tokens,
 )
 from orchestrator.api.auth import ensure_local_token, install_redaction
+from orchestrator.api.backpressure import HeartbeatAdmission, Pressure, PressureMetrics
 from orchestrator.api.limits import (
     RequestLimits,
     http_error_handler,
@@ -124,12 +125,16 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     # Alerts, the run's time series: built here, started by ``serve`` (run_service).
     app.state.operator = operator_loop(app)
     registry.register(AlertMetrics(app.state.sessionmaker))
+    # Heartbeats are refused fast (503 + Retry-After) while the loop lags (backpressure.py).
+    app.state.pressure = Pressure(lambda: app.state.liveness.fleet_nodes)
+    registry.register(PressureMetrics(app.state.pressure, app))
     app.state.registry = registry
 
     app.add_middleware(_Measure, requests=requests, latency=latency)
 
     # Outermost (added last): body size limits and NUL-free URLs before any route;
     # a 422 cuts the inputs it echoes (api/limits.py).
+    app.add_middleware(HeartbeatAdmission, pressure=app.state.pressure)
     app.add_middleware(RequestLimits)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)

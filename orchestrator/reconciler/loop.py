@@ -57,6 +57,7 @@ from orchestrator.launchers.base import (
     TaskRejected,
 )
 from orchestrator.store import records, repo, work
+from orchestrator.store.intake import IntakeLog
 from orchestrator.store.models import Attempt
 from orchestrator.store.snapshot import Rows, attempt_row, gather_snapshot, parts_of, placement_of
 
@@ -83,6 +84,9 @@ class Reconciler:
     heard_since: datetime | None = None
     """When this service started hearing agents (set by :meth:`start`): a node's
     silence is counted from then at the earliest (``JobSnapshot.heard_since``)."""
+    intake: IntakeLog = field(default_factory=IntakeLog)
+    """The fleet's heartbeat intake, one sample per tick (``JobSnapshot.intake``): time
+    the service heard too little or did not run is not held against nodes."""
 
     def __post_init__(self) -> None:
         self._last_advice: dict[str, datetime] = {}
@@ -127,6 +131,7 @@ class Reconciler:
     def tick(self) -> None:
         with self.sessionmaker() as s:
             ids = work.jobs_to_reconcile(s)
+            self.intake.sample(s, repo.utcnow())
         for job_id in ids:
             if self.epoch is None:  # lost the lease during this tick: the new leader goes on
                 return
@@ -162,7 +167,7 @@ class Reconciler:
         with self.sessionmaker() as s, s.begin():
             snap, rows = gather_snapshot(s, job_id, now or repo.utcnow(), self.launcher)
             if self.heard_since is not None:
-                snap = replace(snap, heard_since=self.heard_since)
+                snap = replace(snap, heard_since=self.heard_since, intake=self.intake.samples())
             actions = rc.decide(snap, self.config)
             if actions:
                 self._fence(s, now)

@@ -62,6 +62,8 @@ log = logging.getLogger(__name__)
 FLUSH_INTERVAL_S = 1.0
 #: A beat older than this is dropped from memory at a flush (SQL has it by then).
 FORGET_AFTER_S = 600.0
+#: A node whose newest beat here is this recent counts in ``fleet_nodes``.
+FLEET_HORIZON_S = 60.0
 #: Where a session of the app's sessionmaker finds this replica's memory.
 SESSION_KEY = "skyresume.liveness"
 
@@ -121,6 +123,9 @@ class LiveHeartbeats:
         self.flushes = 0
         """Successful flushes (tests and the bench read it)."""
         self.failed_flushes = 0
+        self.fleet_nodes = 0
+        """Nodes this replica heard in the last ``FLEET_HORIZON_S`` (at the last flush):
+        the fleet size the heartbeat interval grows with (``api/backpressure.py``)."""
         maker.configure(info={**maker.kw.get("info", {}), SESSION_KEY: self})
         event.listen(maker, "after_flush", _note_touched_jobs)
         event.listen(maker, "after_commit", self._after_commit)
@@ -302,6 +307,8 @@ class LiveHeartbeats:
             for key, b in list(self._latest.items()):
                 if b.at.timestamp() < horizon and key not in self._pending:
                     del self._latest[key]
+            recent = self._clock().timestamp() - FLEET_HORIZON_S
+            self.fleet_nodes = sum(1 for b in self._latest.values() if b.at.timestamp() >= recent)
 
     def _drop_job(self, job_id: str) -> None:
         with self._lock:

@@ -37,7 +37,7 @@ from orchestrator.domain.remedy import PastIncident
 from orchestrator.domain.spec import JobSpec
 from orchestrator.domain.status import JobStatus
 from orchestrator.launchers.base import Launcher, LaunchHandle
-from orchestrator.store import liveness, records, repo
+from orchestrator.store import intake, liveness, records, repo
 from orchestrator.store.models import Attempt, FailureEvent, Job, Node
 from orchestrator.store.models import ProtocolStep as StepRow
 
@@ -218,6 +218,8 @@ def gather_snapshot(
         blocking_save_s=_blocking_save_s(s, job_id),
         startup_s=_startups(s, job_id) + _validated_startups(s, job_id),
         plain=_noticed_plain(s, job_id),
+        degraded_noted=attempt is not None
+        and intake.noted_degraded(s, job_id, utc(attempt.started_at) or now),
     )
     return snap, rows
 
