@@ -25,8 +25,10 @@ log = logging.getLogger(__name__)
 
 #: Lines kept per source (the service refuses more).
 TAIL_LINES = 200
-#: Seconds between periodic uploads (only when a tail changed).
+#: Seconds between periodic uploads (only when a tail changed); the environment
+#: variable overrides it (tests, or a node whose logs matter more than its uplink).
 EVERY_S = 5.0
+EVERY_ENV = "SKYRESUME_AGENT_LOG_UPLOAD_S"
 
 
 class RingHandler(logging.Handler):

@@ -694,6 +694,7 @@ class Agent:
             logtail.LogUploader(
                 lambda body: self.client.request("PUT", "/logs", body),  # type: ignore[union-attr]
                 lambda: logtail.collect(self.ring, self.ranks, self.cfg.log_dir / "torchrun.log"),
+                every_s=float(environ.get(logtail.EVERY_ENV) or logtail.EVERY_S),
             )
             if self.client is not None
             else None
