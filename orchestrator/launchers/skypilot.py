@@ -1095,7 +1095,8 @@ class SkyPilotLauncher:
     def _refreshed_record(self, cluster: str, what: str) -> Any:
         """The cluster's record after SkyPilot asked the cloud
         (``refresh=StatusRefreshMode.FORCE``); None when it lists no such cluster.
-        LaunchError when it could not be read."""
+        SubmitUncertain when SkyPilot did not answer (asked again), LaunchError when
+        it answered with an error."""
         from sky.utils.common import StatusRefreshMode
 
         sky = self.sdk
@@ -1106,6 +1107,8 @@ class SkyPilotLauncher:
             )  # fmt: skip
             records = _bounded(self.submit_timeout_s, "sky.get", sky.get, rid)
         except Exception as e:
+            if _is_transport_error(e):  # unanswered: not a refusal (as _record)
+                raise SubmitUncertain(f"{what}: sky.status: {_first_line(e)}; asking again") from None  # noqa: E501
             raise LaunchError(f"{what}: sky.status: {_first_line(e)}") from None
         found = [r for r in records or [] if _field(r, "name") == cluster]
         with self._lock:  # the shared records learn what the cloud said, too
@@ -1117,11 +1120,12 @@ class SkyPilotLauncher:
         return found[0] if found else None
 
     def _record(self, cluster: str, what: str) -> Any:
-        """The cluster's record from the shared ``sky.status()`` (None: not listed);
-        LaunchError when SkyPilot could not be read."""
+        """The cluster's record from the shared ``sky.status()`` (None: not listed).
+        SubmitUncertain when SkyPilot could not be read: nothing was submitted, and
+        the same try asks again (an unanswered read is not a refused verb)."""
         records, error = self._cluster_records()
         if records is None:
-            raise LaunchError(f"{what}: sky.status: {error}")
+            raise SubmitUncertain(f"{what}: sky.status: {error}; asking again")
         return records.get(cluster)
 
     def _cancel_jobs(self, cluster: str, what: str, refusal: type[LaunchError]) -> None:
@@ -1138,8 +1142,8 @@ class SkyPilotLauncher:
             )  # fmt: skip
             _bounded(self.submit_timeout_s, "sky.get", sky.get, rid)
         except Exception as e:
-            if _is_transport_error(e):
-                raise LaunchError(f"{what}: sky.cancel: {_first_line(e)}") from None
+            if _is_transport_error(e):  # unanswered: ask again (SubmitUncertain)
+                raise SubmitUncertain(f"{what}: sky.cancel: {_first_line(e)}") from None
             raise refusal(
                 f"{what}: its old jobs could not be cancelled first: "
                 f"{type(e).__name__}: {_first_line(e)}"
