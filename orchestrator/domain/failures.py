@@ -251,6 +251,10 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"must have the same dtype",
         r"not implemented for '\w+'",
         r"Placeholder storage has not been allocated on MPS device",
+        # argparse's own exit (status 2), as when a launcher passes --local_rank to a
+        # script that does not declare it (DeepSpeed, torch.distributed.launch).
+        r"error: (unrecognized arguments|the following arguments are required|"
+        r"argument -{1,2}[\w-]+: (invalid|expected|ambiguous))",
     )
     # Lines every run prints, failing or not: they speak for no class, and are not
     # left to weaker rules (torchrun SIGTERMs a failed rank's peers itself). Among
@@ -347,6 +351,15 @@ _RULES: tuple[_Rule, ...] = tuple(
         _F.HOST_OOM_KILLED,
         0.6,
         r"exitcode\s*:\s*-9\b",
+        # Launchers' own words for a rank that died by SIGKILL (issue 23): mpirun,
+        # MPICH's hydra, DeepSpeed's launcher, torch.multiprocessing.spawn (Lightning's
+        # ddp_spawn and TPU launchers), horovodrun. A bare SIGKILL is most often the
+        # kernel's OOM killer; weak, like the signal itself.
+        r"exited on signal 9 \(Killed\)",
+        r"^\W*EXIT CODE: 9\s*$|KILLED BY SIGNAL: 9\b",
+        r"exits with return code = -(9|7)\b",
+        r"process \d+ terminated with signal SIGKILL",
+        r"exit with status code 137\b",
         r"Signal 9 \(SIGKILL\)",
         r"killed by signal: Killed",
         r"(?:^|[\s\]>|])\**Killed\**\s*$",
@@ -572,6 +585,8 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"Rende?z?vous version \d+ is incomplete",
         r"init_process_group.*(timed out|timeout)",
         r"Address family not supported by protocol",
+        # Open MPI could not start its daemons on the other nodes: the job never formed.
+        r"ORTE was unable to (reliably )?start one or more daemons",
     )
     + _r(
         _F.RENDEZVOUS_FAILURE,
@@ -721,6 +736,9 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"(node|actor|worker) (died|has died) unexpectedly|marked (as )?dead",
         r"TCP (send|recv) error",
         r"store->get\(.*\) got error",
+        # Open MPI's own texts for a peer or a node daemon that went away (issue 23).
+        r"MPI communication peer process has unexpectedly disconnected",
+        r"ORTE has lost communication with (a remote daemon|its daemon)",
     )
     # The rendezvous and the health detectors saw the node go quiet; outranks the
     # rendezvous error type and the causes such detectors list as possible.
@@ -776,6 +794,8 @@ _USER_EXCEPTIONS = frozenset(
         "JSONDecodeError", "UnicodeDecodeError", "UnicodeEncodeError", "ScannerError",
         "ParserError", "ConfigAttributeError", "ConfigKeyError", "MissingMandatoryValue",
         "InterpolationResolutionError", "ConfigCompositionException", "ArgumentError",
+        # Lightning raises it for a wrong Trainer/strategy/hook setup only.
+        "MisconfigurationException",
     }
 )  # fmt: skip
 #: Above the collateral symptoms (the peers' watchdog timeouts, torchrun's teardown,
