@@ -15,7 +15,8 @@ So silence only counts against a node for the time the service was hearing:
   many it expected. A sample whose share falls under ``deaf_share`` makes the time
   since the previous sample *deaf*: the service was late, starved or cut off from
   many nodes at once, and that time is forgiven to every node (up to
-  ``max_forgiven_s``, so a real mass loss is acted on in the end).
+  ``max_forgiven_s``, so a real mass loss is acted on in the end). A fleet of fewer
+  than ``deaf_min_nodes`` is never deaf by share: there one loss is a large share.
 * **Stalls.** A gap between samples (or between the newest and ``now``) longer than
   ``stall_gap_s`` means the deciding service itself did not run (SIGSTOP, a VM pause,
   a starved process): like the time before ``heard_since``, nothing was heard and
@@ -62,6 +63,10 @@ class SilenceConfig:
     """An interval in which the service heard fewer than this share of the fleet's live
     nodes is deaf: one lost node among healthy peers never makes it so (with two nodes
     one lost leaves a half, which is not under it)."""
+    deaf_min_nodes: int = 4
+    """Fleets of fewer live nodes are never deaf by share: when one of two or three
+    nodes falls silent, the intake cannot tell the service's deafness from the node's
+    loss (a stall still tells, and the launcher's word)."""
     stall_gap_s: float = 10.0
     """Samples further apart than this (the reconciler ticks every 0.5 s) mean the
     service itself did not run in between: that time is never held against a node."""
@@ -114,7 +119,7 @@ def deafness(
             gap = (smp.at - prev.at).total_seconds()
             if gap > cfg.stall_gap_s:
                 _extend(stalls, prev.at, smp.at)
-            elif smp.share < cfg.deaf_share:
+            elif smp.expected >= cfg.deaf_min_nodes and smp.share < cfg.deaf_share:
                 _extend(deaf, prev.at, smp.at)
         prev = smp
     if prev is not None and (now - prev.at).total_seconds() > cfg.stall_gap_s:

@@ -135,6 +135,13 @@ def test_one_lost_node_of_a_two_node_fleet_leaves_the_service_hearing():
     assert lost(rc.decide(snap([1, 40], intake))) == ["j-a1-n1"]
 
 
+def test_a_fleet_too_small_to_judge_by_share_is_never_deaf():
+    # Both nodes of a two-node fleet silent (both cut off): the intake cannot say
+    # whose fault that is, so silence counts as it is.
+    intake = samples((120, 41, 1.0), (40, 0, 0.0), fleet=2)
+    assert lost(rc.decide(snap([40, 40], intake))) == ["j-a1-n0"]
+
+
 def test_a_stalled_service_does_not_turn_its_own_pause_into_lost_nodes():
     # SIGSTOPped for 45 s: no sample between 50 s and 5 s ago. Both nodes (all of a
     # two-node job) were last heard 48 s ago.
