@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -186,9 +187,11 @@ def submit(
             )
             print(visible(out["task_yaml"]), end="")
         return
-    job = Client().request(
-        "POST", "/v1/jobs", content=text, headers={"content-type": "application/yaml"}
-    )
+    # One key per submit: a retry after a lost answer gets the job made the first time
+    # (201 then, 200 now), never a second job (api/routes_jobs.py, store/submissions.py).
+    key = f"cli-{uuid.uuid4()}"
+    headers = {"content-type": "application/yaml", "idempotency-key": key}
+    job = Client().request("POST", "/v1/jobs", content=text, headers=headers, retries=3)
     if output is Output.json:
         print_json(job)
     else:

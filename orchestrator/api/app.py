@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from orchestrator import __version__
 from orchestrator.alerts.loop import AlertMetrics, operator_loop
 from orchestrator.api import (
+    openapi,
     routes_agents,
     routes_goodput,
     routes_jobs,
@@ -98,13 +99,39 @@ class _Measure:
             self.latency.labels(scope["method"], path).observe(time.perf_counter() - start)
 
 
+class _StrictTransport:
+    """HSTS on every answer when ``serve`` speaks HTTPS itself: a browser that once
+    reached the dashboard over TLS never sends its session cookie in clear again."""
+
+    HEADER = (b"strict-transport-security", b"max-age=31536000")
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.HEADER]}
+            await send(message)
+
+        await self.app(scope, receive, send_)
+
+
 def create_app(settings: Settings | None = None, *, engine: Engine | None = None) -> FastAPI:
     settings = settings or Settings()
     app = FastAPI(
         title="skyresume",
         version=__version__,
         description="Jobs, failure events and recoveries for spot-instance training.",
+        # Swagger UI and ReDoc load their scripts from a CDN: off unless SKYRESUME_DOCS.
+        docs_url="/docs" if settings.docs else None,
+        redoc_url="/redoc" if settings.docs else None,
     )
+    openapi.install(app)  # the job spec body, 4xx answers and the bearer scheme
     app.state.settings = settings
     app.state.engine = engine or make_engine(settings.effective_database_url)
     app.state.sessionmaker = make_sessionmaker(app.state.engine)
@@ -135,7 +162,9 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     # Outermost (added last): body size limits and NUL-free URLs before any route;
     # a 422 cuts the inputs it echoes (api/limits.py).
     app.add_middleware(HeartbeatAdmission, pressure=app.state.pressure)
-    app.add_middleware(RequestLimits)
+    app.add_middleware(RequestLimits, max_headers=settings.max_headers)
+    if settings.tls_cert is not None:
+        app.add_middleware(_StrictTransport)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
 

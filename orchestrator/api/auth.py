@@ -94,6 +94,16 @@ def job_token(service_token: str, job_id: str, attempt: int) -> str:
     return AGENT_TOKEN_PREFIX + hmac.new(key, msg, hashlib.sha256).hexdigest()
 
 
+def node_token(service_token: str, job_id: str, attempt: int, node_id: str) -> str:
+    """The bearer token ``register`` hands node ``node_id`` of that attempt: it opens
+    that node's routes only, so one node's token cannot report as its peers (a
+    compromised node could otherwise mark the others lost, or speak for their ranks).
+    Same shape as :func:`job_token` (``sra_``), a different message under its key."""
+    key = hmac.new(service_token.encode(), _AGENT_KEY_LABEL, hashlib.sha256).digest()
+    msg = f"{job_id}\n{int(attempt)}\nnode\n{node_id}".encode()
+    return AGENT_TOKEN_PREFIX + hmac.new(key, msg, hashlib.sha256).hexdigest()
+
+
 @dataclass(frozen=True)
 class Principal:
     """Whoever presented an operator token (bootstrap or stored)."""

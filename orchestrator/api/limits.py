@@ -73,7 +73,10 @@ class RequestLimits:
         query = unquote(scope.get("query_string", b"").decode("latin-1"))
         if "\x00" in path or "\x00" in query:
             where = "path" if "\x00" in path else "query string"
-            await _json(422, f"the URL's {where} holds a NUL character (%00)")(scope, receive, send)
+            loc = "path" if "\x00" in path else "query"
+            error = {"loc": [loc], "msg": f"the URL's {where} holds a NUL character (%00)",
+                     "type": "value_error"}  # fmt: skip
+            await JSONResponse({"detail": [error]}, 422)(scope, receive, send)
             return
         if len(scope.get("headers") or ()) > self.max_headers:
             msg = f"the request has more than {self.max_headers} header fields"
@@ -164,7 +167,8 @@ def validation_detail(errors: list[Any]) -> list[Any]:
             }
         out.append(e)
     if len(errors) > MAX_ERRORS:
-        out.append({"msg": f"{len(errors) - MAX_ERRORS} more errors not shown"})
+        out.append({"loc": [], "msg": f"{len(errors) - MAX_ERRORS} more errors not shown",
+                    "type": "too_many_errors"})  # fmt: skip
     return _printable(jsonable_encoder(out))
 
 
@@ -178,12 +182,39 @@ async def http_error_handler(request: Request, e: Exception) -> Response:
     body"."""
     assert isinstance(e, StarletteHTTPException)
     if e.status_code == 400 and isinstance(e.__cause__, RecursionError):
-        return _json(
-            400,
-            "the JSON body is nested too deeply to read; request bodies may nest "
-            f"{MAX_JSON_DEPTH} levels",
-        )
+        return _json(400, TOO_DEEP)
+    if e.status_code == 422 and not isinstance(e.detail, list):
+        # Every 422 has the one documented shape, a list of {loc, msg, type}: a route's
+        # own check (a token's name, a chaos action) reads like a field's.
+        error = {"loc": [], "msg": str(e.detail), "type": "value_error"}
+        return JSONResponse({"detail": [error]}, 422, headers=e.headers)
+    if e.status_code == 405:
+        # Starlette names the methods of the first route whose path matched; a path
+        # served by several routes (GET and POST /v1/jobs) allows all of theirs.
+        allowed = _allowed_methods(request)
+        if allowed:
+            return JSONResponse(
+                {"detail": str(e.detail)}, 405, headers={"Allow": ", ".join(allowed)}
+            )
     return await http_exception_handler(request, e)
+
+
+#: The answer to a body ``json.loads`` cannot read for its depth (every route's).
+TOO_DEEP = (
+    f"the JSON body is nested too deeply to read; request bodies may nest {MAX_JSON_DEPTH} levels"
+)
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    from starlette.routing import Match
+
+    # Asked method by method: included routers nest, and each answers ``matches``.
+    routes = request.app.router.routes
+    return [
+        m
+        for m in ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
+        if any(r.matches({**request.scope, "method": m})[0] is Match.FULL for r in routes)
+    ]
 
 
 async def validation_error_handler(_request: Request, e: Exception) -> JSONResponse:

@@ -51,19 +51,26 @@ from orchestrator.api.auth import (
     AGENT_TOKEN_PREFIX,
     bearer_token,
     job_token,
+    node_token,
     operator_principal,
     token_matches,
 )
 from orchestrator.api.backpressure import heartbeat_limiter
 from orchestrator.api.deps import forbid_unless, unauthorized
 from orchestrator.api.limits import validation_error_response
-from orchestrator.api.schemas import MAX_CURSOR, NODE_ID_PATTERN, NodeId, no_parent_segment
+from orchestrator.api.schemas import (
+    MAX_CURSOR,
+    NODE_ID_PATTERN,
+    NodeId,
+    StrictInt,
+    no_parent_segment,
+)
 from orchestrator.contract import AGENT_PROTOCOL
 from orchestrator.domain.roles import Role
 from orchestrator.domain.spec import INT32_MAX, INT64_MAX, MAX_DETAIL_CHARS, refuse_unstorable
 from orchestrator.store import agents, tokens
 from orchestrator.store.liveness import LiveHeartbeats, Verdict
-from orchestrator.store.models import NodeCommand
+from orchestrator.store.models import Attempt, NodeCommand
 from orchestrator.store.repo import NotFound
 
 log = logging.getLogger(__name__)
@@ -85,6 +92,7 @@ async def require_job_access(
     request: Request,
     job_id: str,
     attempt: Annotated[int, Path(ge=0, le=INT32_MAX, description="attempt number")],
+    node_id: str,
 ) -> None:
     """This attempt's agent token, or an operator token of role operator or above.
 
@@ -107,9 +115,14 @@ async def require_job_access(
             "carries the agent token that register returned"
         )
     if token.startswith(AGENT_TOKEN_PREFIX):
-        if token_matches(token, job_token(request.app.state.token, job_id, attempt)):
-            return
-        raise unauthorized(f"this agent token is not for attempt {attempt} of job {job_id}")
+        secret = request.app.state.token
+        if token_matches(token, node_token(secret, job_id, attempt, node_id)):
+            return  # what register hands a node: its own routes only
+        if token_matches(token, job_token(secret, job_id, attempt)):
+            return  # the attempt's token: the service's own, never handed to a node
+        raise unauthorized(
+            f"this agent token is not for node {node_id} of attempt {attempt} of job {job_id}"
+        )
     principal = await anyio.to_thread.run_sync(operator_principal, request, token)
     if principal is None:
         raise unauthorized("invalid token for this job (unknown or revoked)")
@@ -172,15 +185,15 @@ class _Checked(_Body):
 
 
 class RankInfo(_Body):
-    rank: int = Field(ge=0, le=_I32)
-    local_rank: int = Field(ge=0, le=_I32)
-    pid: int | None = Field(default=None, ge=1, le=_I32)
+    rank: StrictInt = Field(ge=0, le=_I32)
+    local_rank: StrictInt = Field(ge=0, le=_I32)
+    pid: StrictInt | None = Field(default=None, ge=1, le=_I32)
 
 
 class RegisterIn(_Checked):
-    node_rank: int = Field(ge=0, le=_I32)
+    node_rank: StrictInt = Field(ge=0, le=_I32)
     hostname: str | None = Field(default=None, max_length=255)
-    agent_pid: int | None = Field(default=None, ge=1, le=_I32)
+    agent_pid: StrictInt | None = Field(default=None, ge=1, le=_I32)
     provider: str | None = Field(default=None, max_length=16)
     ranks: list[RankInfo] = Field(default_factory=list, max_length=4096)
     agent_version: str | None = Field(default=None, max_length=64)
@@ -189,7 +202,7 @@ class RegisterIn(_Checked):
     agent_build: str | None = Field(default=None, max_length=128)
     """The wheel's source digest, or ``source`` from a checkout (logged, not compared:
     two builds of one version speak the same protocol)."""
-    protocol: int | None = Field(default=None, ge=0, le=_I32)
+    protocol: StrictInt | None = Field(default=None, ge=0, le=_I32)
     """``contract.AGENT_PROTOCOL`` as the agent knows it."""
 
 
@@ -442,6 +455,27 @@ def _translate(e: Exception) -> HTTPException:
     return HTTPException(422, str(e))
 
 
+class NotLaunched(ValueError):
+    """A register for a node id its attempt's launch does not have."""
+
+
+def _require_launched_node(session: Session, job_id: str, attempt: int, node_id: str) -> None:
+    """:class:`NotLaunched` unless ``node_id`` is one of the node ids the attempt's
+    launch named (its handle). A made-up id registered once, and the reconciler then
+    counted it as the attempt's node and declared the real, still-provisioning one
+    lost. An attempt whose launch is not recorded yet (a node that came up before the
+    launcher's answer was stored) is checked by its token alone."""
+    handle = session.scalar(
+        select(Attempt.handle).where(Attempt.job_id == job_id, Attempt.number == attempt)
+    )
+    launched = (handle or {}).get("node_ids") or []
+    if launched and node_id not in launched:
+        raise NotLaunched(
+            f"node {node_id!r} is not a node of attempt {attempt} of job {job_id} "
+            f"(its launch has {', '.join(map(str, launched[:16]))})"
+        )
+
+
 @_node_router.post("/register", response_model=RegisterOut)
 def register(
     request: Request, job_id: str, attempt: AttemptPath, node_id: NodePath, body: RegisterIn
@@ -469,6 +503,7 @@ def register(
                 )
             if pending is not None:
                 agents.store_heartbeats(session, [pending])
+            _require_launched_node(session, job_id, attempt, node_id)
             reg = agents.register_node(
                 session,
                 job_id,
@@ -487,12 +522,15 @@ def register(
             live.restore([pending])
         if isinstance(e, NotFound | agents.NotCurrent):
             raise _translate(e) from None
+        if isinstance(e, NotLaunched):
+            log.warning("refused the register of node %s (job %s): %s", node_id, job_id, e)
+            raise HTTPException(status.HTTP_403_FORBIDDEN, str(e)) from None
         if isinstance(e, tokens.EnrolmentRefused):
             log.warning("refused the enrolment of node %s (job %s): %s", node_id, job_id, e)
             raise unauthorized(str(e)) from None
         raise
     live.registered(job_id, attempt, node_id)
-    issued = job_token(request.app.state.token, job_id, attempt) if enrolment else None
+    issued = node_token(request.app.state.token, job_id, attempt, node_id) if enrolment else None
     period = max(HEARTBEAT_S, request.app.state.pressure.interval_s)
     return RegisterOut(heartbeat_s=period, command_cursor=cursor, agent_token=issued)
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query, Request, Response, status
+from fastapi import APIRouter, Header, HTTPException, Query, Request, Response, status
 from pydantic import BaseModel
 
 from orchestrator.api.deps import OperatorDep, SessionDep
+from orchestrator.api.limits import TOO_DEEP
 from orchestrator.api.schemas import (
     MAX_CURSOR,
     MAX_OFFSET,
@@ -27,7 +30,8 @@ from orchestrator.domain.spec import (
     validate_job_spec,
 )
 from orchestrator.domain.status import IllegalTransition, JobStatus
-from orchestrator.store import repo
+from orchestrator.settings import Settings
+from orchestrator.store import repo, submissions
 
 router = APIRouter(prefix="/v1", dependencies=[OperatorDep])
 
@@ -85,19 +89,63 @@ async def _read_spec(request: Request) -> JobSpec:
                 doc = json.loads(body)
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise SpecError([("", f"unreadable JSON: {e}")]) from None
+            except RecursionError:  # json.loads recurses: ~1,000 levels was a 500
+                raise HTTPException(400, TOO_DEEP) from None
         else:
             raise HTTPException(415, f"unsupported content type {ctype!r}; use JSON or YAML")
-        return validate_job_spec(doc)
+        spec = validate_job_spec(doc)
     except SpecError as e:
         raise _spec_error(e) from None
+    _confine_task_file(spec, request.app.state.settings)
+    return spec
+
+
+def _confine_task_file(spec: JobSpec, settings: Settings) -> None:
+    """422 unless ``task.skypilot_yaml`` lies in ``settings.skypilot_yaml_dir`` once
+    symlinks are resolved: the service reads that file (to render and launch it), and
+    a submitter must not make it read ``/etc/shadow`` or another user's task."""
+    path = spec.task.skypilot_yaml if spec.task is not None else None
+    if not path:
+        return
+    root = settings.effective_skypilot_yaml_dir.resolve()
+    try:
+        resolved = Path(path).resolve()  # relative: as the launcher opens it (its cwd)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise _spec_error(SpecError([("task.skypilot_yaml", f"unusable path: {e}")])) from None
+    if not resolved.is_relative_to(root):
+        msg = (f"{path[:200]!r} is outside {root}, the directory task files are read from "
+               "(SKYRESUME_SKYPILOT_YAML_DIR)")  # fmt: skip
+        raise _spec_error(SpecError([("task.skypilot_yaml", msg)]))
+
+
+#: What an ``Idempotency-Key`` may be: printable ASCII, at most 128 characters.
+IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,128}")
 
 
 @router.post("/jobs", status_code=201, response_model=JobOut)
-async def create_job(request: Request, session: SessionDep) -> JobOut:
-    """Submit a job spec as JSON, or as YAML with ``Content-Type: application/yaml``."""
+async def create_job(
+    request: Request,
+    session: SessionDep,
+    response: Response,
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            pattern=IDEMPOTENCY_KEY.pattern,
+            description="the same key and spec again (a retry) returns the job made then, "
+            "with 200; the same key with another spec is 409",
+        ),
+    ] = None,
+) -> JobOut:
+    """Submit a job spec as JSON, or as YAML with ``Content-Type: application/yaml``.
+    201: made; 200: the job an earlier submit with this ``Idempotency-Key`` made."""
     spec = await _read_spec(request)
-    job = repo.create_job(session, spec)
-    return JobOut.model_validate(job, from_attributes=True)
+    try:
+        done = submissions.submit_job(session, spec, idempotency_key)
+    except submissions.KeyReused as e:
+        raise HTTPException(409, str(e)) from None
+    if not done.created:
+        response.status_code = 200
+    return JobOut.model_validate(done.job, from_attributes=True)
 
 
 @router.get("/jobs", response_model=JobPage)

@@ -12,7 +12,15 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    model_validator,
+)
 
 from orchestrator.domain.spec import INT32_MAX, INT64_MAX, refuse_unstorable
 
@@ -48,8 +56,18 @@ NodeId = Annotated[
 ]
 
 
-#: A timestamp a client sends: naive means UTC, and its year is in ``_YEARS``.
-InDatetime = Annotated[datetime, AfterValidator(_utc)]
+def _not_a_number(v: Any) -> Any:
+    # pydantic reads 0 (and true) as 1970-01-01: a client's bug, not a time it meant.
+    if isinstance(v, bool | int | float):
+        raise ValueError("a timestamp is an ISO 8601 string, not a number")
+    return v
+
+
+#: A timestamp a client sends: an ISO 8601 string, naive means UTC, and its year is
+#: in ``_YEARS``.
+InDatetime = Annotated[datetime, BeforeValidator(_not_a_number), AfterValidator(_utc)]
+#: An integer that is one in the JSON: ``false`` and ``1.0`` are refused, not coerced.
+StrictInt = Annotated[int, Strict()]
 
 # SQLite hands back naive datetimes; everything stored is UTC, so say so on the wire.
 UtcDatetime = Annotated[
@@ -94,7 +112,7 @@ class EventIn(BaseModel):
     kind: str = Field(min_length=1, max_length=64, pattern=r"^[a-z][a-z0-9_.\-]*$")
     failure_class: str | None = Field(default=None, max_length=64)
     node_id: NodeId | None = None
-    rank: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    rank: StrictInt | None = Field(default=None, ge=0, le=INT32_MAX)
     message: str | None = Field(default=None, max_length=65536)
     details: dict[str, Any] = Field(default_factory=dict)
     """Free-form JSON: at most ``MAX_JSON_DEPTH`` deep and ``MAX_JSON_CHARS`` large."""

@@ -108,7 +108,9 @@ def describe_error(r: Any) -> str:
         for d in detail:
             loc = ".".join(str(p) for p in d.get("loc", []) if p != "body")
             parts.append(f"{loc}: {d.get('msg')}" if loc else str(d.get("msg")))
-        return "invalid job spec: " + "; ".join(parts)
+        # A route's own check (no field named) reads as its message alone.
+        named = any(d.get("loc") for d in detail if isinstance(d, dict))
+        return ("invalid job spec: " if named else "") + "; ".join(parts)
     return str(detail)
 
 
@@ -130,11 +132,22 @@ class Client:
             fail(str(e), 2)
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=30, verify=verify)
 
-    def request(self, method: str, path: str, **kw: Any) -> Any:
+    def request(self, method: str, path: str, *, retries: int = 0, **kw: Any) -> Any:
+        """``retries``: send again after a timeout or a dropped connection (only for a
+        request that is safe to repeat, such as a submit with an ``Idempotency-Key``)."""
+        import time
+
         import httpx
 
         try:
-            r = self.http.request(method, path, **kw)
+            for n in range(retries + 1):
+                try:
+                    r = self.http.request(method, path, **kw)
+                    break
+                except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError):
+                    if n == retries:
+                        raise
+                    time.sleep(0.5 * 2**n)
         except httpx.ConnectError as e:
             if "CERTIFICATE_VERIFY_FAILED" in str(e):
                 fail(

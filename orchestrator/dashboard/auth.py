@@ -95,6 +95,38 @@ def clear_session(request: Request, response: Response) -> None:
     )
 
 
+def _origin(url: str) -> str | None:
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return None
+    if not parts.scheme or not parts.netloc:
+        return None
+    return f"{parts.scheme}://{parts.netloc}".lower()
+
+
+def foreign_origin(request: Request) -> str | None:
+    """The other site a form POST came from (None: this one, or no browser said).
+
+    Login CSRF: without this check, any page could post its own operator token to
+    our login and leave the victim's browser logged in as the attacker, so what they
+    then type into the dashboard lands in the attacker's account. SameSite cookies do
+    not help with a login, which sets the cookie rather than sends one. A browser
+    sends ``Origin`` on every cross-site POST (``null`` from a sandboxed page), else
+    ``Referer``; a request with neither is not from a browser page and is let through.
+    """
+    given = request.headers.get("origin") or request.headers.get("referer")
+    if given is None:
+        return None
+    ours = {_origin(str(request.base_url))}
+    settings = request.app.state.settings
+    ours |= {_origin(u) for u in (settings.public_url, settings.service_url) if u}
+    theirs = _origin(given) if given != "null" else "null"
+    return None if theirs in ours else str(theirs or given)[:200]
+
+
 def safe_next(target: str | None) -> str:
     """Where to go after login: only a dashboard path on this site (no open redirect)."""
     if (

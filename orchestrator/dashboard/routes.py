@@ -131,6 +131,9 @@ def login_form(request: Request, next: str | None = None) -> Response:
 
 @public.post("/login", response_class=HTMLResponse)
 async def login(request: Request) -> Response:
+    if (foreign := auth.foreign_origin(request)) is not None:  # login CSRF (auth.py)
+        refused = f"a login posted from another site ({foreign}) is refused"
+        return _render("login.html", 403, next="/dashboard/", error=refused)
     body = await request.body()
     if len(body) > _MAX_FORM_BYTES:
         return _render("login.html", 413, next="/dashboard/", error="the form is too large")
@@ -322,12 +325,17 @@ def _live_context(session: Any, job: Any, report: JobGoodput) -> dict[str, Any]:
             .limit(10)
         )
     )
-    start = _utc(job.created_at)
-    end = max(report.ended_at, start + timedelta(seconds=1))
+    data = job_series(session, job.id)
+    # The axis spans what there is to draw (samples and marks), not the job's whole
+    # life: a month-old job's last hour would otherwise be a sliver at the edge.
+    times = [p.at for p in data.points] + [m.at for m in data.marks]
+    times += [m.end for m in data.marks if m.end is not None]
+    start = min(times, default=_utc(job.created_at))
+    end = max(max(times, default=report.ended_at), start + timedelta(seconds=1))
     return {
         "live": job_live(session, job.id),
         "final": JobStatus(job.status).is_terminal(),
-        "series": _series_charts(job_series(session, job.id), start, end),
+        "series": _series_charts(data, start, end),
         "recent": recent,
     }
 

@@ -67,6 +67,20 @@ class JobTransition(Base):
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
+class JobSubmission(Base):
+    """An ``Idempotency-Key`` a ``POST /v1/jobs`` came with, and the job it made: the
+    same key again (a client's retry after a lost answer) returns that job instead of
+    making a second one; with another spec it is refused."""
+
+    __tablename__ = "job_submissions"
+
+    key: Mapped[str] = mapped_column(String(128), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    spec_sha256: Mapped[str] = mapped_column(String(64))
+    """Of the spec as stored (canonical JSON): what "the same submission" means."""
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
 class FailureEvent(Base):
     """One observed failure (or notice). Posting the same idempotency key twice
     returns the first row and stores nothing new."""

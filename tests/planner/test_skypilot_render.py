@@ -45,6 +45,7 @@ def make_client(tmp_path: Path, sky: Any):
     def make(**settings: Any):
         url = f"sqlite:///{tmp_path / f'db{len(apps)}.sqlite'}"
         db.upgrade(url)
+        settings.setdefault("skypilot_yaml_dir", YAMLS)  # where task files may be read
         app = create_app(Settings(home=tmp_path / "home", database_url=url, **settings))
         client = TestClient(app)
         client.headers["Authorization"] = f"Bearer {app.state.token}"
