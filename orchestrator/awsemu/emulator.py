@@ -31,7 +31,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from orchestrator.awsemu.ec2 import DEFAULT_REGIONS, Ec2
 from orchestrator.awsemu.front import FaultFront
@@ -138,6 +138,7 @@ class Emulator:
         self.pool: HostPool | None = None
         self.ec2: Ec2 | None = None
         self.state: EmulatorState | None = None
+        self._hosts_lock: IO[str] | None = None
 
     @property
     def endpoint(self) -> str:
@@ -161,6 +162,7 @@ class Emulator:
             if self.with_hosts:
                 for line in ensure_prerequisites():
                     self.log(f"awsemu: {line}")
+                self._hosts_lock = _hold_hosts_lock(self.log)
                 self.pool = HostPool(self.home, bridge=self.bridge, cidr=self.cidr)
                 self.pool.up()
                 self.simulator = MetadataSimulator(self.pool.gateway, 0, ("aws",)).start()
@@ -206,6 +208,9 @@ class Emulator:
         if self.pool is not None:
             self.pool.down()
             self.pool = None
+        if self._hosts_lock is not None:
+            self._hosts_lock.close()  # closing the file releases its flock
+            self._hosts_lock = None
         if self.front is not None:
             self.front.stop()
             self.front = None
@@ -258,6 +263,47 @@ class Emulator:
             if time.monotonic() > end:
                 raise EmulatorError(f"the host of {instance_id} still runs after {timeout_s} s")
             time.sleep(0.05)
+
+
+#: Held (flock) by every emulator that makes hosts, for its whole life: hosts of two
+#: emulators would share one address plan (10.213.0.0/16 on bridges of the same or
+#: another name), and one's ``down`` removed the other's bridge (a default-run test's
+#: emulator on mbr0 took the whole loop's bridge away mid-run, issue 19). Not
+#: /tmp/skyresume-awsemu.lock, which people's ``flock`` wrappers hold around a run.
+HOSTS_LOCK = Path("/tmp/skyresume-awsemu-hosts.lock")
+#: How long a second emulator with hosts waits for the first to end.
+HOSTS_LOCK_WAIT_S = 1800.0
+
+
+def _hold_hosts_lock(
+    log: Any, path: Path = HOSTS_LOCK, wait_s: float = HOSTS_LOCK_WAIT_S
+) -> IO[str]:
+    """The machine's hosts lock, waited for (EmulatorError after ``wait_s``); the open
+    file holds it until closed."""
+    import fcntl
+
+    f = open(path, "a+")  # noqa: SIM115 - held until Emulator.stop closes it
+    end = time.monotonic() + wait_s
+    said = False
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if time.monotonic() > end:
+                f.close()
+                raise EmulatorError(
+                    f"another emulator with hosts still runs after {wait_s:.0f} s ({path})"
+                ) from None
+            if not said:
+                log(f"awsemu: waiting for another emulator with hosts to end ({path})")
+                said = True
+            time.sleep(1.0)
+            continue
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        return f
 
 
 def _hand_template_to_user(template: Path, log: Any) -> None:
