@@ -39,8 +39,9 @@ class LoopError(RuntimeError):
     pass
 
 
-def task_yaml(*, s3_endpoint: str, keys: tuple[str, str], steps: int,
-              instance_type: str = "m6i.large") -> str:
+def task_yaml(
+    *, s3_endpoint: str, keys: tuple[str, str], steps: int, instance_type: str = "m6i.large"
+) -> str:
     """The user's SkyPilot task: CPU spot nodes on AWS, the S3 store's endpoint and
     keys for the node's checkpoint client, boto3 installed from the node's own wheel
     cache (the image has torch, not boto3), and the GPT run."""
@@ -53,9 +54,7 @@ def task_yaml(*, s3_endpoint: str, keys: tuple[str, str], steps: int,
         "setup": (
             f'python3 -m pip install --quiet --no-index --find-links "{NODE_WHEELS}" boto3\n'
         ),
-        "run": (
-            f"python3 -m training.examples.train_gpt --max-steps {steps} --step-sleep 0.2\n"
-        ),
+        "run": (f"python3 -m training.examples.train_gpt --max-steps {steps} --step-sleep 0.2\n"),
     }
     return yaml.safe_dump(doc, sort_keys=False)
 
@@ -163,8 +162,9 @@ class SkyLoop:
         out = []
         for region in self.emu.regions:
             ec2 = self.emu.boto3_client("ec2", region)
-            found = ec2.describe_instances(Filters=[
-                {"Name": "instance-state-name", "Values": ["pending", "running"]}])
+            found = ec2.describe_instances(
+                Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}]
+            )
             for r in found["Reservations"]:
                 for i in r["Instances"]:
                     tags = {t["Key"]: t["Value"] for t in i.get("Tags", [])}
@@ -203,7 +203,7 @@ class SkyLoop:
             self.service_log.close()
 
 
-def job_state(loop: SkyLoop, job: str) -> tuple[str, int, int | None, int, int]:
+def job_state(loop: Any, job: str) -> tuple[str, int, int | None, int, int]:
     """(status, newest attempt, its validated step, highest rank step, nodes with a
     heartbeat in it)."""
     st = loop.get(f"/v1/jobs/{job}")["status"]
@@ -216,7 +216,7 @@ def job_state(loop: SkyLoop, job: str) -> tuple[str, int, int | None, int, int]:
     return st, a["number"], a["validated_step"], max(steps, default=-1), beating
 
 
-def wait_for(loop: SkyLoop, job: str, what: str, until: Any, timeout_s: float) -> tuple[Any, ...]:
+def wait_for(loop: Any, job: str, what: str, until: Any, timeout_s: float) -> tuple[Any, ...]:
     end = time.monotonic() + timeout_s
     shown = None
     while time.monotonic() < end:
@@ -234,59 +234,168 @@ def wait_for(loop: SkyLoop, job: str, what: str, until: Any, timeout_s: float) -
     raise LoopError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
-def run_loop(home: Path, *, steps: int = 150, window_s: float = 120.0,
-             terminate: bool = False, log: Any = None) -> dict[str, Any]:
-    """Issue 19's loop: launch, a spot notice, and with ``terminate`` then an instance
-    terminated without one; the figures, as a dict (also ``home/figures.json``).
-    Raises LoopError naming what did not happen."""
-    from orchestrator.launchers.skypilot import cluster_name_for
+#: The faults :func:`run_loop` can inject, in the order it injects them (one job's
+#: life): ``capacity`` before the submit (the planner's first region refuses
+#: RunInstances), then ``transport`` (a rank's collective breaks: a restart in place),
+#: ``notice`` (a spot interruption notice on a worker), ``terminate`` (a worker's
+#: instance gone with no notice); the job then succeeds, or with ``cancel`` is
+#: cancelled.
+FAULTS = ("capacity", "transport", "notice", "terminate", "cancel")
+#: The region the planner places the m6i.large spot job in first (its spot price ties
+#: us-west-2's, and the planner ranks it first; the capacity fault checks it did).
+FIRST_REGION = "us-east-1"
 
-    figures: dict[str, Any] = {}
+
+def sky_requests(loop: SkyLoop) -> list[dict[str, Any]]:
+    """Every request SkyPilot's API server holds (name, cluster, status, created_at),
+    asked of it with SkyPilot's own SDK in a process of its own (the emulator's client
+    environment)."""
+    env = {k: v for k, v in loop.env.items() if not k.startswith("SKYRESUME_")}
+    code = (
+        "import json, sky\n"
+        "rs = sky.api_status(all_status=True)\n"
+        "print(json.dumps([{'name': r.name, 'cluster': r.cluster_name, 'status': str(r.status),"
+        " 'created_at': r.created_at} for r in rs]))\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], env=env, cwd=env["HOME"],
+                       capture_output=True, text=True, timeout=120,
+                       stdin=subprocess.DEVNULL)  # fmt: skip
+    if p.returncode != 0:
+        raise LoopError(f"sky.api_status: {p.stderr.strip()[-500:]}")
+    return list(json.loads(p.stdout.strip().splitlines()[-1]))
+
+
+def _launches(requests: list[dict[str, Any]], since: float) -> dict[str, int]:
+    """How many sky.launch / sky.exec requests were made after ``since`` (epoch s)."""
+    out = {"sky.launch": 0, "sky.exec": 0}
+    for r in requests:
+        if r["name"] in out and float(r["created_at"]) >= since:
+            out[r["name"]] += 1
+    return out
+
+
+def _attempt(loop: SkyLoop, job: str, number: int) -> dict[str, Any]:
+    atts = loop.get(f"/v1/jobs/{job}/attempts")["items"]
+    return next(a for a in atts if a["number"] == number)
+
+
+def _worker(loop: SkyLoop, job: str) -> str:
+    """The instance id of the job's newest worker (SkyPilot's non-head node): that of
+    the cluster running the current attempt. Neither the cluster's name (a restart in
+    place keeps an older attempt's cluster, a fallback launch is ``-t1``) nor the
+    attempt's hosts (SkyPilot's handle has none at submit) says which, but the newest
+    launch does: an older cluster's instances were launched before it."""
+    mine = [i for i in loop.instances(cluster=f"sr-{job}-")
+            if i["tags"].get("ray-node-type") == "worker"]  # fmt: skip
+    if not mine:
+        raise LoopError(f"no worker instance of {job} is running")
+    return str(max(mine, key=lambda i: i["LaunchTime"])["InstanceId"])
+
+
+def run_loop(
+    home: Path,
+    *,
+    steps: int = 150,
+    window_s: float = 120.0,
+    faults: tuple[str, ...] = ("notice",),
+    log: Any = None,
+) -> dict[str, Any]:
+    """Issue 19's loop: launch, then each of ``faults`` (see FAULTS) with its
+    recovery, in FAULTS' order; the figures, as a dict (also ``home/figures.json``).
+    Raises LoopError naming what did not happen."""
+    from orchestrator.awsemu.front import CapacityRule
+
+    unknown = set(faults) - set(FAULTS)
+    if unknown:
+        raise ValueError(f"unknown faults {sorted(unknown)}; known: {FAULTS}")
+    figures: dict[str, Any] = {"faults": [f for f in FAULTS if f in faults]}
     loop = SkyLoop(home, log=log)
+
+    def resumed_after(job: str, number: int, what: str) -> tuple[Any, ...]:
+        return wait_for(loop, job, what,
+                        lambda st, n, v, step, b: n > number and v is not None and step > v,
+                        1200)  # fmt: skip
+
+    def trained_on(job: str, what: str) -> tuple[Any, ...]:
+        return wait_for(loop, job, what,
+                        lambda st, n, v, step, b: v is not None and step >= v + 10,
+                        600)  # fmt: skip
+
     try:
+        front = loop.emu.front
+        assert front is not None
+        if "capacity" in faults:
+            loop.log(f"capacity: RunInstances of m6i.large refused in {FIRST_REGION}")
+            front.add_capacity_rule(CapacityRule(region=FIRST_REGION, instance_type="m6i.large"))
         t0 = time.monotonic()
         job = loop.submit(steps)
         figures["job"] = job
         loop.log(f"submitted {job}: 2 nodes x 1 CPU rank through SkyPilot")
         wait_for(loop, job, "both nodes registered", lambda st, n, v, step, b: b >= 2, 900)
         figures["launch_to_registered_s"] = round(time.monotonic() - t0, 1)
-        s = wait_for(loop, job, "training past step 30",
-                     lambda st, n, v, step, b: v is not None and step >= 30, 600)  # fmt: skip
-        figures["launch_to_step30_s"] = round(time.monotonic() - t0, 1)
-        cluster = cluster_name_for(job, s[1])
-        workers = [i for i in loop.instances(cluster=cluster)
-                   if i["tags"].get("ray-node-type") == "worker"]  # fmt: skip
-        if len(workers) != 1:
-            raise LoopError(f"expected one worker instance of {cluster}, got {len(workers)}")
-        victim = workers[0]["InstanceId"]
-        loop.log(f"spot interruption notice on {victim} ({window_s:.0f} s window)")
-        assert loop.emu.front is not None
-        loop.emu.front.preempt(victim, window_s)
-        first = s[1]
-        s = wait_for(loop, job, "a validated resume after the preemption",
-                     lambda st, n, v, step, b: n > first and v is not None and step > v,
-                     1200)  # fmt: skip
-        if terminate:
+        s = wait_for(loop, job, "training past step 20",
+                     lambda st, n, v, step, b: v is not None and step >= 20, 600)  # fmt: skip
+        figures["launch_to_step20_s"] = round(time.monotonic() - t0, 1)
+        first = _attempt(loop, job, s[1])
+        figures["first_region"] = first["region"]
+        if "capacity" in faults:
+            events = loop.get(f"/v1/jobs/{job}/events?limit=500")["items"]
+            figures["refused_at_launch"] = [
+                {"region": e["details"].get("region"), "capacity": e["details"].get("capacity"),
+                 "message": e["message"]}
+                for e in events if e["kind"] == "launch_failed"
+            ]  # fmt: skip
+            figures["capacity_refusals"] = front.snapshot()["counts"]
+            front.clear_capacity()
+        if "transport" in faults:
+            since = time.time()
+            before_ids = sorted(i["InstanceId"] for i in loop.instances(cluster=f"sr-{job}-"))
+            loop.log("transport: rank 0 of node 0 fails its collective (chaos transport)")
+            r = loop.http.post(f"/v1/jobs/{job}/chaos",
+                               json={"action": "transport", "node": 0, "rank": 0})  # fmt: skip
+            if r.status_code >= 400:
+                raise LoopError(f"chaos transport: HTTP {r.status_code}: {r.text[:300]}")
+            before = s[1]
+            s = resumed_after(job, before, "a validated resume after the transport error")
+            after = _attempt(loop, job, s[1])
+            figures["transport"] = {
+                "attempt": after["number"], "launch_verb": after["launch_verb"],
+                "in_place": after["in_place"], "instances_before": before_ids,
+                "instances_after": sorted(i["InstanceId"]
+                                          for i in loop.instances(cluster=f"sr-{job}-")),
+                "sky_requests": _launches(sky_requests(loop), since),
+            }  # fmt: skip
+        if "notice" in faults:
+            if "transport" in faults:
+                s = trained_on(job, "training on after the restart")
+            victim = _worker(loop, job)
+            loop.log(f"spot interruption notice on {victim} ({window_s:.0f} s window)")
+            front.preempt(victim, window_s)
+            s = resumed_after(job, s[1], "a validated resume after the preemption")
+        if "terminate" in faults:
             # An instance gone with no notice (EC2 TerminateInstances): its agent's
             # heartbeats stop, and the service finds the node lost.
-            s = wait_for(loop, job, "training on after the resume",
-                         lambda st, n, v, step, b: v is not None and step >= v + 10,
-                         600)  # fmt: skip
-            mine = loop.instances(cluster=cluster_name_for(job, s[1]))
-            workers = [i for i in mine if i["tags"].get("ray-node-type") == "worker"]
-            if not workers:
-                raise LoopError(f"no worker instance of attempt {s[1]} of {job} is running")
-            victim = workers[0]["InstanceId"]
+            s = trained_on(job, "training on after the resume")
+            victim = _worker(loop, job)
             loop.log(f"instance {victim} terminated without a notice")
-            loop.emu.front.terminate(victim)
-            second = s[1]
-            wait_for(loop, job, "a validated resume after the termination",
-                     lambda st, n, v, step, b: n > second and v is not None and step > v,
-                     1200)  # fmt: skip
-        wait_for(loop, job, "the end", lambda st, n, v, step, b: st == "SUCCEEDED", 900)
+            front.terminate(victim)
+            s = resumed_after(job, s[1], "a validated resume after the termination")
+        if "cancel" in faults:
+            s = wait_for(loop, job, "training on before the cancel",
+                         lambda st, n, v, step, b: v is not None and step >= v + 5,
+                         600)  # fmt: skip
+            loop.log(f"cancel {job}")
+            r = loop.http.post(f"/v1/jobs/{job}/cancel")
+            if r.status_code >= 400:
+                raise LoopError(f"cancel: HTTP {r.status_code}: {r.text[:300]}")
+            wait_for(loop, job, "cancelled", lambda st, n, v, step, b: st == "CANCELLED", 120)
+        else:
+            wait_for(loop, job, "the end", lambda st, n, v, step, b: st == "SUCCEEDED", 900)
+        figures["status"] = loop.get(f"/v1/jobs/{job}")["status"]
         figures["total_s"] = round(time.monotonic() - t0, 1)
         figures["incidents"] = loop.get(f"/v1/jobs/{job}/incidents")["items"]
-        # The service tears a finished job's clusters down (sky.down, confirmed); the
+        figures["attempts"] = loop.get(f"/v1/jobs/{job}/attempts")["items"]
+        # The service tears an ended job's clusters down (sky.down, confirmed); the
         # emulator is this loop's alone, so any instance left is the job's.
         t1 = time.monotonic()
         end = t1 + 600
@@ -295,11 +404,44 @@ def run_loop(home: Path, *, steps: int = 150, window_s: float = 120.0,
         figures["teardown_s"] = round(time.monotonic() - t1, 1)
         figures["instances_left"] = [i["InstanceId"] for i in loop.instances()]
         figures["sky_clusters_left"] = loop.sky_status()
-        (home / "figures.json").write_text(json.dumps(figures, indent=2, default=str))
+        figures["sky_requests"] = _launches(sky_requests(loop), 0)
         return figures
     finally:
         (home / "figures.json").write_text(json.dumps(figures, indent=2, default=str))
         loop.close()
+
+
+def loop_problems(figures: dict[str, Any]) -> list[str]:
+    """What a :func:`run_loop` with every fault (FAULTS) shows went wrong; [] when
+    nothing did. The demo prints these; tests/awsemu/test_loop_e2e.py asserts them
+    one by one."""
+    problems = []
+    incs = figures["incidents"]
+    classes = [i["failure_class"] for i in incs]
+    if classes != ["nccl_transport", "preemption_notice", "node_lost"]:
+        problems.append(f"expected nccl_transport, preemption_notice, node_lost; got {classes}")
+    if figures.get("first_region") == FIRST_REGION:
+        problems.append(f"the first attempt ran in {FIRST_REGION}, which had no capacity")
+    if not any(r["capacity"] and r["region"] == FIRST_REGION
+               for r in figures.get("refused_at_launch", [])):  # fmt: skip
+        problems.append(f"no launch refused for capacity in {FIRST_REGION}")
+    tr = figures.get("transport") or {}
+    if not (tr.get("in_place") and tr.get("instances_before") == tr.get("instances_after")):
+        problems.append(f"the transport error did not restart in place: {tr}")
+    if tr.get("sky_requests", {}).get("sky.launch", 1) != 0:
+        problems.append(f"the restart in place asked SkyPilot for a launch: {tr}")
+    for i in incs:
+        v = next((s for s in i["steps"] if s["step"] == "validate"), None)
+        if v is None or v["outcome"] != "ok":
+            problems.append(f"incident {i['id']} ({i['failure_class']}) did not validate")
+    notice = next((i for i in incs if i["failure_class"] == "preemption_notice"), None)
+    if notice is not None and notice["steps_lost"]:
+        problems.append(f"the preemption lost {notice['steps_lost']} steps")
+    if figures.get("status") != "CANCELLED":
+        problems.append(f"the job ended {figures.get('status')}, not CANCELLED")
+    if figures["instances_left"] or figures["sky_clusters_left"]:
+        problems.append(f"left behind: {figures['instances_left']} {figures['sky_clusters_left']}")
+    return problems
 
 
 def run_demo(home: Path | None = None, steps: int = 150) -> int:
@@ -316,7 +458,7 @@ def run_demo(home: Path | None = None, steps: int = 150) -> int:
     home = Path(home) if home else Path(tempfile.mkdtemp(prefix="skyresume-skydemo-"))
     console.print(f"[bold]skyresume demo --launcher skypilot[/bold]: state in {home}")
     try:
-        figures = run_loop(home, steps=steps, terminate=True, log=console.print)
+        figures = run_loop(home, steps=max(steps, 5000), faults=FAULTS, log=console.print)
     except (LoopError, OSError, RuntimeError) as e:
         console.print(f"[red]demo failed:[/red] {e}")
         console.print(f"logs: {home / 'service.log'}, {home / 'emu'}")
@@ -324,25 +466,16 @@ def run_demo(home: Path | None = None, steps: int = 150) -> int:
     incs = figures["incidents"]
     console.print(incident_table(incs))
     console.print(f"launch request to both nodes registered: {figures['launch_to_registered_s']} s")
-    problems = []
-    classes = [i["failure_class"] for i in incs]
-    if classes != ["preemption_notice", "node_lost"]:
-        problems.append(f"expected preemption_notice, node_lost; got {classes}")
-    for i in incs:
-        v = next((s for s in i["steps"] if s["step"] == "validate"), None)
-        if v is None or v["outcome"] != "ok":
-            problems.append(f"incident {i['id']} did not validate")
-    if incs and incs[0]["steps_lost"]:
-        problems.append(f"the preemption lost {incs[0]['steps_lost']} steps")
-    if figures["instances_left"] or figures["sky_clusters_left"]:
-        problems.append(f"left behind: {figures['instances_left']} {figures['sky_clusters_left']}")
+    problems = loop_problems(figures)
     for p in problems:
         console.print(f"[red]check failed:[/red] {p}")
     if not problems:
-        console.print("[green]demo passed[/green]: through SkyPilot, resumed with no step lost")
+        console.print(
+            "[green]demo passed[/green]: through SkyPilot, every fault recovered, nothing left"
+        )
     return 1 if problems else 0
 
 
 if __name__ == "__main__":
-    out = run_loop(Path(sys.argv[1]), steps=200, terminate=True)
+    out = run_loop(Path(sys.argv[1]), steps=2000, faults=FAULTS)
     print(json.dumps(out, indent=2, default=str))
