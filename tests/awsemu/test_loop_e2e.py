@@ -87,7 +87,9 @@ def test_no_capacity_in_the_first_region_is_replanned_into_another(life: dict[st
 
     refused = life["refused_at_launch"]
     assert refused and all(r["region"] == FIRST_REGION and r["capacity"] for r in refused), refused
-    assert life["capacity_refusals"].get("capacity", 0) >= 1, life["capacity_refusals"]
+    assert life["capacity_refusals"].get("refused:InsufficientInstanceCapacity", 0) >= 1, life[
+        "capacity_refusals"
+    ]
     assert life["first_region"] != FIRST_REGION
 
 
