@@ -119,7 +119,7 @@ def _confine_task_file(spec: JobSpec, settings: Settings) -> None:
 
 
 #: What an ``Idempotency-Key`` may be: printable ASCII, at most 128 characters.
-IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,128}")
+IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,128}$")
 
 
 @router.post("/jobs", status_code=201, response_model=JobOut)
