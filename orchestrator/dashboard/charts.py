@@ -331,10 +331,13 @@ def line_chart(
     span = max((end - start).total_seconds(), 1e-9)
     values = [v for pts in series.values() for _, v in pts]
     lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
+    floor = 0.0 if lo >= 0 else None  # rates, losses, norms: never an axis below zero
     if hi - lo < 1e-12:
-        lo, hi = lo - 0.5, hi + 0.5
+        lo, hi = lo - max(abs(lo) * 0.5, 0.5), hi + max(abs(hi) * 0.5, 0.5)
     pad = (hi - lo) * 0.05
     lo, hi = lo - pad, hi + pad
+    if floor is not None:
+        lo = max(lo, floor)
 
     def x(d: datetime) -> float:
         return left + plot_w * min(max((d - start).total_seconds() / span, 0.0), 1.0)

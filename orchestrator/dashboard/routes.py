@@ -68,7 +68,10 @@ _HEADERS = {
     "Content-Security-Policy": _CSP,
     "Cache-Control": "no-store",
     "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
+    # same-origin, not no-referrer: under no-referrer a browser sends ``Origin: null``
+    # on our own login form's POST, which the login-CSRF check must refuse (auth.py);
+    # other sites still get no Referer at all.
+    "Referrer-Policy": "same-origin",
 }
 _MAX_FORM_BYTES = 8192
 
@@ -305,7 +308,9 @@ def _series_charts(data: JobSeries, start: datetime, end: datetime) -> dict[str,
         return out
 
     marks = [charts.Band(m.at, m.end, m.kind, m.label) for m in data.marks]
+    n = len(by_rank)
     return {
+        "ranks": "" if not n else f"each of {n} ranks" if n <= _MAX_RANK_LINES else "mean",
         "steps": charts.line_chart(
             lines(rate), start, end, marks, "series-steps", "steps per second", " steps/s"
         ),

@@ -1,60 +1,12 @@
 """The dashboard in a real browser: Debian's chromium driven by Playwright, against
-the app served by uvicorn on loopback. Never downloads a browser: without
-/usr/bin/chromium the test is skipped and says how to install it."""
+the app served by uvicorn on loopback (fixtures in conftest.py). Never downloads a
+browser: without /usr/bin/chromium the test is skipped and says how to install it."""
 
 from __future__ import annotations
-
-import os
-import socket
-import threading
-import time
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.browser
-
-CHROMIUM = Path("/usr/bin/chromium")
-
-
-@pytest.fixture(scope="module")
-def chromium():  # type: ignore[no-untyped-def]
-    if not CHROMIUM.exists():
-        if os.environ.get("SKYRESUME_REQUIRE_BROWSER") == "1":  # CI: scripts/test installs it
-            pytest.fail(f"{CHROMIUM} is required (SKYRESUME_REQUIRE_BROWSER=1) but missing")
-        pytest.skip(
-            f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium); "
-            "Playwright's own browser download is not used"
-        )
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=str(CHROMIUM), args=["--headless", "--no-sandbox"]
-        )
-        yield browser
-        browser.close()
-
-
-@pytest.fixture(scope="module")
-def live_url(seeded_app):  # type: ignore[no-untyped-def]
-    import uvicorn
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(seeded_app, host="127.0.0.1", port=port, log_level="warning", ws="none")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            pytest.fail("uvicorn did not start")
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
 
 
 def test_log_in_open_a_job_with_incidents_and_see_the_mttr_chart(chromium, live_url, seeded_app):
