@@ -100,21 +100,31 @@ def test_colour_codes_do_not_hide_a_word() -> None:
 _BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
-def test_every_confident_verdict_on_the_corpus_names_a_line_of_its_log() -> None:
+def test_every_confident_verdict_on_the_corpus_names_a_line_of_its_log_and_is_right() -> None:
     spec = importlib.util.spec_from_file_location("bench_classify_e", _BENCH / "classify.py")
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench
     spec.loader.exec_module(bench)
     confident = 0
+    wrong: list[str] = []
     for e in bench.load_corpus():
         c = classify_failure(e.exit_code, e.signal, e.excerpt)
         if c.confidence <= NAMES_ITS_LINE_ABOVE:
             continue
         confident += 1
+        if str(c.failure_class) != e.label:
+            wrong.append(e.id)
         assert c.decided_by is not None, e.id
         assert c.decided_by in c.evidence, e.id
         if not c.decided_by.startswith(("exit code ", "preemption notice: ", "agent: ")):
             text = "\n".join(log_lines(e.excerpt))
             assert c.decided_by.removesuffix("...") in text, e.id
     assert confident >= 150  # 187 of the 554 excerpts when written
+    # No confident mistake but two known ones of the development part: a log whose
+    # exit code 75 is another program's (this repo's PREEMPTED_SAVED outranks the
+    # log), and a test's AssertionError about zeroed tensors (a user error by type).
+    assert sorted(wrong) == [
+        "health_check_failed-mozilla-translations-nvml-mismatch",
+        "silent_corruption-nccl-1950-avg-reduce-tail-zeros",
+    ]
