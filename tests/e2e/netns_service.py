@@ -19,8 +19,9 @@ def main(home: str, port: str, bridge: str, subnet: str) -> None:
     from orchestrator.api.auth import job_token
     from orchestrator.launchers.local import LocalLauncher
     from orchestrator.launchers.netns import Fabric
+    from orchestrator.package import agent_package_spec
     from orchestrator.reconciler.loop import Reconciler
-    from orchestrator.server import build_service, run_service
+    from orchestrator.server import _wheel_cache, build_service, run_service
     from orchestrator.settings import Settings
 
     settings = Settings(home=Path(home), port=int(port), host="0.0.0.0", reconcile=False)
@@ -30,8 +31,16 @@ def main(home: str, port: str, bridge: str, subnet: str) -> None:
     fabric = Fabric(root / "fabric", bridge=bridge, subnet=subnet)
     fabric.up()
     url = f"http://{fabric.gateway}:{port}"
+    # What serve's local launcher hands its nodes: the agent package of this service's
+    # own wheel (the templates' setup refuses to run without one).
+    package = agent_package_spec(settings.model_copy(update={"public_url": url}), _wheel_cache(app))
     launcher = LocalLauncher(
-        root, url, lambda j, a: job_token(app.state.token, j, a), network="netns"
+        root,
+        url,
+        lambda j, a: job_token(app.state.token, j, a),
+        network="netns",
+        package=package,
+        pip_args=settings.pip_args or "--no-index --no-deps",
     )
     launcher._fabric = fabric  # the private bridge, before the launcher makes srbr0
     service.cleanup.callback(fabric.teardown)
