@@ -146,10 +146,11 @@ def one_grouping(home: Path, grouping: str, steps: int) -> dict[str, Any]:
     calls = home / "sky-calls.jsonl"
     orig = skyconf.sky_env
 
-    def sky_env(emu_home: Any, base: Any) -> dict[str, str]:
+    def sky_env(emu_home: Any, base: Any = None) -> dict[str, str]:
         env = dict(orig(emu_home, base))
         env["SKYRESUME_SKYPILOT_GROUPING"] = grouping
         env["SKYRESUME_SKYPILOT_CALL_LOG"] = str(calls)
+        env["SKYRESUME_SKYPILOT_YAML_DIR"] = str(home)  # where SkyLoop writes the task
         return env
 
     skyconf.sky_env = sky_env  # type: ignore[assignment]
