@@ -3,6 +3,7 @@ conftest) because several folders have a conftest and the name would collide."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -174,3 +175,33 @@ class FakeLauncher:
     def down(self, handle: LaunchHandle) -> None:
         self.downed.append(handle.cluster_name)
         self.downed_nodes.append(handle.node_ids)
+
+
+@contextlib.contextmanager
+def served(app, settings, **config):  # type: ignore[no-untyped-def]
+    """``app`` behind uvicorn as ``serve`` configures it (``api/connections.py``:
+    its limits from ``settings``), in a thread on a free port; its base URL."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from orchestrator.api.connections import uvicorn_config
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn_config(app, settings, port=port, **config))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()

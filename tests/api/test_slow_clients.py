@@ -15,15 +15,13 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from testkit import job_with_running_attempt
+from testkit import job_with_running_attempt, served
 
 from orchestrator import __version__
-from orchestrator.api.connections import uvicorn_config
 from orchestrator.contract import AGENT_PROTOCOL
 
 HEAD_TIMEOUT_S = 3.0
@@ -31,27 +29,19 @@ CLOSE_MARGIN_S = 5.0
 IDLE = 500
 
 
-@contextlib.contextmanager
-def served(app: Any, settings: Any) -> Iterator[str]:
-    """``app`` behind uvicorn with ``settings``' limits, in a thread; its base URL."""
-    import uvicorn
+@pytest.fixture
+def plain(tmp_path):  # type: ignore[no-untyped-def]
+    """An app on SQLite: the connection limits touch no store, one database is enough."""
+    from orchestrator.api.app import create_app
+    from orchestrator.settings import Settings
+    from orchestrator.store import db
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn_config(app, settings, port=port))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
+    url = f"sqlite:///{tmp_path / 'limits.db'}"
+    db.upgrade(url)
+    settings = Settings(home=tmp_path / "home", database_url=url)
+    application = create_app(settings)
+    yield application, settings
+    application.state.engine.dispose()
 
 
 def _settings(settings: Any, **kw: Any) -> Any:
@@ -80,7 +70,8 @@ def _wait_closed(socks: list[socket.socket], until: float) -> list[socket.socket
     return list(open_)
 
 
-def test_idle_and_slowloris_connections_do_not_starve_an_authenticated_call(app, settings):
+def test_idle_and_slowloris_connections_do_not_starve_an_authenticated_call(plain):
+    app, settings = plain
     auth = {"Authorization": f"Bearer {app.state.token}"}
     with served(app, _settings(settings)) as url:
         host, port = url.removeprefix("http://").split(":")
@@ -114,7 +105,8 @@ def test_idle_and_slowloris_connections_do_not_starve_an_authenticated_call(app,
                 s.close()
 
 
-def test_a_head_over_the_limit_is_refused_before_it_is_buffered(app, settings):
+def test_a_head_over_the_limit_is_refused_before_it_is_buffered(plain):
+    app, settings = plain
     with served(app, _settings(settings, max_header_bytes=16 * 1024)) as url:
         host, port = url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=10) as s:
