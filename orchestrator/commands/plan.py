@@ -30,20 +30,75 @@ def _is_job_spec(doc: dict[str, Any]) -> bool:
     return isinstance(doc.get("task"), dict) or "checkpoint" in doc
 
 
-def _task_demand(path: Path) -> Any:
+#: Task fields skyresume does not run: said in one line each, never dropped silently.
+_UNSUPPORTED = {
+    "service": "SkyServe's service: section (skyresume runs training jobs, not services)",
+    "pool": "SkyPilot's pool: section",
+}
+
+
+def _unsupported_lines(config: dict[str, Any]) -> list[str]:
+    out = [
+        f"{k}: {why} is not supported; ignored" for k, why in _UNSUPPORTED.items() if k in config
+    ]
+    res = config.get("resources")
+    opts = [res] if isinstance(res, dict) else []
+    if isinstance(res, dict):
+        opts += [o for o in (res.get("any_of") or res.get("ordered") or []) if isinstance(o, dict)]
+    if any("job_recovery" in o or "spot_recovery" in o for o in opts):
+        out.append(
+            "resources.job_recovery: SkyPilot's managed-job recovery is not used; "
+            "skyresume recovers the job itself (restart protocol)"
+        )
+    return out
+
+
+def _single_document(text: str | bytes, path: Path) -> None:
+    """A job group or a pipeline (several YAML documents) named in one line."""
+    import yaml
+
+    from orchestrator.launchers.base import TaskRejected
+
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError:
+        return  # load_yaml_document names the error
+    if len(docs) > 1:
+        raise TaskRejected(
+            f"{path}: {len(docs)} YAML documents (a SkyPilot job group or pipeline); "
+            "job groups are not supported: skyresume runs one task per job, give it one"
+        )
+
+
+def _task_demand(
+    path: Path, envs: dict[str, str] | None = None, secrets: dict[str, str] | None = None
+) -> Any:
+    from orchestrator.domain.spec import SpecError, load_yaml_document
+    from orchestrator.launchers.base import TaskRejected
     from orchestrator.launchers.catalog import demand_from_task
     from orchestrator.launchers.skypilot import load_task_config, task_from_config
 
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise TaskRejected(f"SkyPilot task: cannot read {path}: {e.strerror}") from None
+    _single_document(text, path)
+    try:
+        load_yaml_document(text, what=str(path))
+    except SpecError as e:
+        raise TaskRejected(f"SkyPilot task {path}: {e}") from None
     config = load_task_config(path, what="SkyPilot task")
-    task = task_from_config(config, what=f"SkyPilot task {path}")
-    return task, demand_from_task(task)
+    if envs:
+        config["envs"] = {**(config.get("envs") or {}), **envs}
+    task = task_from_config(config, what=f"SkyPilot task {path}", secrets=secrets)
+    return task, demand_from_task(task), config
 
 
-def _spec_from_skypilot_yaml(path: Path) -> tuple[Any, Any]:
-    """(JobSpec for the planner, TaskDemand) from a plain SkyPilot task YAML."""
+def _spec_from_skypilot_yaml(path: Path, envs: Any, secrets: Any) -> tuple[Any, Any, Any, Any]:
+    """(JobSpec for the planner, TaskDemand, sky.Task, config) from a plain task YAML."""
     from orchestrator.domain.spec import SpecError, validate_job_spec
 
-    task, demand = _task_demand(path)
+    task, demand, config = _task_demand(path, envs, secrets)
     raw_name = str(task.name or path.stem).lower()
     name = re.sub(r"[^a-z0-9\-_.]+", "-", raw_name).strip("-")[:63] or "task"
     doc = {
@@ -51,12 +106,11 @@ def _spec_from_skypilot_yaml(path: Path) -> tuple[Any, Any]:
         "task": {"skypilot_yaml": str(path)},
         "num_nodes": demand.num_nodes,
         "accelerators": list(demand.accelerators),
-        "spot": demand.spot,
         # Planning never writes a checkpoint; the spec type needs a URI.
         "checkpoint": {"uri": "file:///tmp/skyresume-plan"},
     }
     try:
-        return validate_job_spec(doc), demand
+        return validate_job_spec(doc), demand, task, config
     except SpecError as e:
         raise ValueError(f"{path}: cannot plan this SkyPilot task: {e}") from None
 
@@ -102,24 +156,32 @@ def service_history() -> list[Any]:
     return out
 
 
-def _load(path: Path) -> tuple[str, Any, Any]:
-    """(kind, JobSpec, TaskDemand or None): the demand, when there is one, says
-    where each of the task's own resource options may run."""
+def _load(
+    path: Path, envs: dict[str, str] | None = None, secrets: dict[str, str] | None = None
+) -> tuple[str, Any, Any, Any, Any, list[str]]:
+    """(kind, JobSpec, TaskDemand or None, sky.Task or None, task config or None,
+    notes): the task, when there is one, is what SkyPilot's optimizer plans; the
+    notes say which of the spec and the YAML decided nodes and spot."""
     from orchestrator.domain.spec import SpecError, load_yaml_document, validate_job_spec
 
     try:
         text = path.read_bytes()
     except OSError as e:
         fail(f"cannot read {path}: {e.strerror}", 2)
+    from orchestrator.launchers.base import TaskRejected
+
     try:
+        _single_document(text, path)
         doc = load_yaml_document(text, what=str(path))
     except SpecError as e:
         fail(f"{path}: {e}", 2)
+    except TaskRejected as e:
+        fail(str(e), 2)
     if not isinstance(doc, dict):
         fail(f"{path}: expected a job spec or a SkyPilot task (a mapping)", 2)
     if not _is_job_spec(doc):
-        spec, demand = _spec_from_skypilot_yaml(path)
-        return "skypilot", spec, demand
+        spec, demand, task, config = _spec_from_skypilot_yaml(path, envs, secrets)
+        return "skypilot", spec, demand, task, config, []
     try:
         spec = validate_job_spec(doc)
     except SpecError as e:
@@ -129,10 +191,57 @@ def _load(path: Path) -> tuple[str, Any, Any]:
         yaml_path = Path(spec.task.skypilot_yaml)
         if not yaml_path.is_absolute():
             yaml_path = path.parent / yaml_path
-        _, demand = _task_demand(yaml_path)
+        all_envs = {**(getattr(spec.task, "envs", None) or {}), **(envs or {})}
+        all_secrets = {**(getattr(spec.task, "secrets", None) or {}), **(secrets or {})}
+        task, demand, config = _task_demand(yaml_path, all_envs, all_secrets)
         spec = spec.model_copy(update={"accelerators": list(demand.accelerators)})
-        return "job", spec, demand
-    return "job", spec, None
+        notes = []
+        if demand.num_nodes != spec.num_nodes:
+            notes.append(
+                f"nodes: {spec.num_nodes} from the job spec (the YAML says {demand.num_nodes})"
+            )
+        if spec.spot is None:
+            notes.append("spot: the YAML's use_spot, per resource option (the spec sets none)")
+        else:
+            notes.append(f"spot: {spec.spot} from the job spec (overrides the YAML's use_spot)")
+        return "job", spec, demand, task, config, notes
+    return "job", spec, None, None, None, []
+
+
+def parse_key_values(items: list[str] | None, flag: str) -> dict[str, str]:
+    """``KEY=VALUE`` pairs (``--env``, ``--secret``), as SkyPilot's CLI takes them."""
+    out: dict[str, str] = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            fail(f"{flag} {key!r}: use KEY=VALUE (KEY: letters, digits, '_')", 2)
+        out[key] = value
+    return out
+
+
+#: Resource fields the plan lists as carried to the launched task unchanged.
+_KEPT_FIELDS = (
+    "image_id", "disk_size", "disk_tier", "network_tier", "ports", "labels", "cpus",
+    "memory", "zone", "autostop", "accelerator_args", "volumes",
+)  # fmt: skip
+
+
+def task_resource_fields(config: dict[str, Any]) -> list[str]:
+    """The task's own resource fields (and each any_of/ordered option's), as written:
+    what the launch keeps beside the placement it pins."""
+    res = config.get("resources")
+    if not isinstance(res, dict):
+        return []
+    out = [f"{k}: {json.dumps(res[k], default=str)}" for k in _KEPT_FIELDS if k in res]
+    for kind in ("any_of", "ordered"):
+        for i, o in enumerate(res.get(kind) or []):
+            if isinstance(o, dict):
+                out += [
+                    f"{kind}[{i}].{k}: {json.dumps(o[k], default=str)}"
+                    for k in (*_KEPT_FIELDS, "use_spot")
+                    if k in o
+                ]
+    return out
 
 
 def _gpus(p: Any) -> str:
@@ -181,6 +290,14 @@ def plan(
             help="rank with the service's placement failure history, as the live SELECT does",
         ),
     ] = True,
+    env: Annotated[
+        list[str] | None,
+        typer.Option("--env", help="KEY=VALUE for the task's envs (a YAML's empty ones)"),
+    ] = None,
+    secret: Annotated[
+        list[str] | None,
+        typer.Option("--secret", help="KEY=VALUE for the task's secrets (never shown)"),
+    ] = None,
 ) -> None:
     """Rank where FILE's job would run (catalog only, no credentials needed)."""
     from orchestrator.domain.planner import rank, replacement_after_preemption
@@ -189,17 +306,24 @@ def plan(
         CatalogUnavailable,
         UnknownAccelerator,
         gather_candidates,
-        gather_for_task,
+        oracle_for_task,
     )
 
     excluded = tuple(exclude_region or ())
+    envs = parse_key_values(env, "--env")
+    secrets = parse_key_values(secret, "--secret")
+    best = None
     try:
         # SkyPilot prints spinner payloads to stdout (e.g. while it looks an unknown
         # accelerator name up on Kubernetes); stdout here is the plan, keep it clean.
         with contextlib.redirect_stdout(io.StringIO()):
-            kind, spec, demand = _load(file)
-            if demand is not None:
-                candidates = gather_for_task(demand, clouds=spec.clouds)
+            kind, spec, demand, task, config, notes = _load(file, envs, secrets)
+            if task is not None:
+                # SkyPilot's own optimizer says what is launchable (and refuses with
+                # its reason); the ranking below adds what it does not weigh.
+                oracle = oracle_for_task(task, clouds=spec.clouds)
+                candidates = list(oracle.candidates)
+                best = oracle.best
             else:
                 candidates = gather_candidates(
                     spec.accelerator_names, clouds=spec.clouds, regions=spec.regions
@@ -208,6 +332,9 @@ def plan(
         fail(str(e), 1)
     except (UnknownAccelerator, LaunchError, ValueError) as e:
         fail(str(e), 2)
+    if config is not None:
+        notes = [*notes, *_unsupported_lines(config)]
+    fields = task_resource_fields(config) if config is not None else []
     now = datetime.now(UTC)
     past = service_history() if history else []
     # A task YAML's ``ordered:`` options are numbered by the catalog: a strict preference.
@@ -226,6 +353,18 @@ def plan(
             "job": spec.name,
             "num_nodes": spec.num_nodes,
             "spot": spec.spot,
+            "notes": notes,
+            "resources_kept": fields,
+            "skypilot_choice": (
+                None
+                if best is None
+                else {
+                    "cloud": best.cloud,
+                    "region": best.region,
+                    "instance_type": best.instance_type,
+                    "spot": best.spot,
+                }
+            ),
             "excluded_regions": list(excluded),
             "ranked": [_ranked_json(r) for r in ranking.ranked],
             "rejected": [
@@ -253,9 +392,9 @@ def plan(
     console = Console()
     if not console.is_terminal:
         console = Console(width=140)  # pipes and logs: do not squeeze columns to 80
-    table = Table(
-        title=f"{spec.name}: {spec.num_nodes} node(s), {'spot' if spec.spot else 'on-demand'}"
-    )
+    kinds = {r.placement.spot for r in ranking.ranked}
+    market = "spot" if kinds == {True} else "on-demand" if kinds == {False} else "spot/on-demand"
+    table = Table(title=f"{spec.name}: {spec.num_nodes} node(s), {market}")
     right = ("#", "nodes", "$/h", "$/useful h", "lost")
     cols = ("#", "cloud/region", "instance type", "GPUs", "nodes", "$/h", "$/useful h", "lost")
     for col in (*cols, "knobs"):
@@ -281,6 +420,17 @@ def plan(
         highlight=False,
     )
     console.print(f"why #1: {'; '.join(top.reasons)}", highlight=False, markup=False)
+    if best is not None:
+        console.print(
+            f"SkyPilot's optimizer alone: {best.cloud}/{best.region} {best.instance_type} "
+            f"({'spot' if best.spot else 'on-demand'})",
+            highlight=False,
+            markup=False,
+        )
+    for line in fields:
+        console.print(f"kept: {line}", highlight=False, markup=False)
+    for line in notes:
+        console.print(f"note: {line}", highlight=False, markup=False)
     if len(ranking.ranked) > limit:
         console.print(f"... and {len(ranking.ranked) - limit} more (--limit, or -o json)")
     if ranking.rejected:

@@ -65,6 +65,15 @@ class Candidate:
     zone: str | None = None
     preference: int = 0
     """Index of the job's accelerator entry this came from (0 = most preferred)."""
+    spot: bool | None = None
+    """The task option's own ``use_spot`` (an ``any_of`` entry may say spot while
+    another says on-demand); None: the job's ``spot`` decides."""
+
+    def wants_spot(self, job_spot: bool | None) -> bool:
+        """The job's explicit ``spot`` wins; else the option's own; else spot."""
+        if job_spot is not None:
+            return job_spot
+        return True if self.spot is None else self.spot
 
 
 #: Failure classes that say "this placement took the nodes away" (see
@@ -306,7 +315,7 @@ def rank(
         if any(_matches_region(r, c) for r in exclude_regions):
             reject(c, Constraint.EXCLUDED, f"region {c.region} excluded")
             continue
-        if spec.spot and c.spot_price_per_node_hour is None:
+        if c.wants_spot(spec.spot) and c.spot_price_per_node_hour is None:
             reject(c, Constraint.SPOT, "no spot offering")
             continue
         until = blocked.get((c.cloud.lower(), c.region))
@@ -399,18 +408,19 @@ def _score(
     now: datetime,
     policy: PlannerPolicy,
 ) -> Ranked:
-    node_price = c.spot_price_per_node_hour if spec.spot else c.price_per_node_hour
+    spot = c.wants_spot(spec.spot)
+    node_price = c.spot_price_per_node_hour if spot else c.price_per_node_hour
     assert node_price is not None  # spot without a spot price was rejected
     job_price = node_price * nodes
     recent = recent_preemptions(c, history, now, policy)
-    rate = (policy.base_spot_rate_per_hour if spec.spot else 0.0) * nodes
+    rate = (policy.base_spot_rate_per_hour if spot else 0.0) * nodes
     rate += recent * policy.rate_per_recent_preemption
     lost = min(policy.max_lost_fraction, rate * policy.lost_hours_per_preemption)
     recompute = memory.compute_overhead if memory else 0.0
     throughput = (nodes / spec.num_nodes) / (1.0 + recompute)
     later = 1.0 + policy.fewer_nodes_penalty * (1.0 - nodes / spec.num_nodes)
     score = job_price * later / (throughput * (1.0 - lost))
-    kind = "spot" if spec.spot else "on-demand"
+    kind = "spot" if spot else "on-demand"
     reasons = [
         f"{kind} ${node_price:.2f}/node-h x {nodes} = ${job_price:.2f}/h",
         (
@@ -437,7 +447,7 @@ def _score(
         accelerator=c.accelerator,
         accelerator_count=c.accelerator_count,
         num_nodes=nodes,
-        spot=spec.spot,
+        spot=spot,
         gpu_memory_gib=c.gpu_memory_gib,
         price_per_node_hour=node_price,
         knobs=memory.knobs if memory else None,

@@ -331,7 +331,10 @@ class JobSpec(_Strict):
     """Candidates; empty for CPU-only runs. A plain list (or ``any_of: [...]``) is a
     free choice ranked by cost, the list's order breaking ties; ``ordered: [...]`` is
     a strict preference, as in SkyPilot's task YAML."""
-    spot: bool = True
+    spot: bool | None = None
+    """Spot or on-demand for every node. None (not given): a SkyPilot task YAML's own
+    ``use_spot``, per resource option, and spot for a template job; given, it overrides
+    the YAML's."""
     clouds: list[Cloud] = Field(default_factory=list, max_length=64)
     regions: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
         default_factory=list, max_length=256

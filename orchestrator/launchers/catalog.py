@@ -20,10 +20,12 @@ start fast.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -387,3 +389,184 @@ def gather_for_task(demand: TaskDemand, *, clouds: Sequence[str] = ()) -> list[C
             if key not in out or out[key].preference > pref:
                 out[key] = replace(c, preference=pref)
     return list(out.values())
+
+
+# --- SkyPilot's own optimizer as the oracle ------------------------------------------
+
+_OFFLINE_LOCK = threading.RLock()
+
+
+def _enabled_for_planning(clouds: Sequence[str] = ()) -> list[Any]:
+    """The clouds planning treats as enabled: those with a catalog here (limited to
+    ``clouds`` when given), as SkyPilot cloud objects."""
+    from sky.utils import registry
+
+    wanted = [c.lower() for c in clouds] or clouds_with_catalogs() or list(CATALOG_CLOUDS)
+    out = []
+    for name in wanted:
+        if name not in CATALOG_CLOUDS or name not in (clouds_with_catalogs() or CATALOG_CLOUDS):
+            continue
+        cloud = registry.CLOUD_REGISTRY.from_str(name)
+        if cloud is not None:
+            out.append(cloud)
+    return out
+
+
+@contextlib.contextmanager
+def offline_clouds(clouds: Sequence[str] = ()) -> Iterator[list[Any]]:
+    """SkyPilot's enabled-cloud lookups answer "the clouds with a catalog here" while
+    the block runs, as SkyPilot's own tests seed them: planning and parsing a task
+    (``ports:`` asks for the enabled clouds) need no credentials and no ``sky check``.
+    One block at a time in this process (the lookups are module functions)."""
+    from sky import check as sky_check
+    from sky import clouds as sky_clouds
+
+    with _OFFLINE_LOCK:
+        enabled = _enabled_for_planning(clouds)
+        saved = (
+            sky_check.get_cached_enabled_clouds_or_refresh,
+            sky_check.check_capability,
+            sky_check.check,
+        )
+        sky_check.get_cached_enabled_clouds_or_refresh = lambda *_a, **_k: list(enabled)
+        sky_check.check_capability = lambda *_a, **_k: {}
+        sky_check.check = lambda *_a, **_k: {}
+        # An image_id's size is asked of the cloud's API (AWS retries for ~30 s without
+        # credentials): offline it is unknown, and SkyPilot checks it again at launch.
+        sized = [sky_clouds.AWS, sky_clouds.GCP, sky_clouds.Azure]
+        own = {cls: cls.__dict__.get("get_image_size") for cls in sized}
+        for cls in sized:
+            cls.get_image_size = classmethod(lambda _cls, _image, _region: 0.0)  # type: ignore[method-assign,assignment]
+        try:
+            yield enabled
+        finally:
+            (
+                sky_check.get_cached_enabled_clouds_or_refresh,
+                sky_check.check_capability,
+                sky_check.check,
+            ) = saved
+            for cls, fn in own.items():
+                if fn is None:
+                    delattr(cls, "get_image_size")
+                else:
+                    setattr(cls, "get_image_size", fn)  # noqa: B010 (mypy: a method)
+
+
+class SkyPilotRefused(UnknownAccelerator):
+    """SkyPilot's optimizer finds no resource for the task (its reason, one line)."""
+
+
+def _one_line(e: BaseException) -> str:
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip() or type(e).__name__
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return " ".join(lines[:2])
+
+
+@dataclass(frozen=True)
+class OracleResult:
+    """What SkyPilot's optimizer says of a task, on this machine's catalog."""
+
+    candidates: tuple[Candidate, ...]
+    """Every (cloud, region, instance type) SkyPilot would launch, per option."""
+    best: Candidate
+    """SkyPilot's own choice (``task.best_resources``)."""
+
+
+def _candidate_of(r: Any, pref: int, memory: dict[str, float]) -> Candidate | None:
+    accels = r.accelerators or {}
+    name, count = next(iter(accels.items())) if accels else (None, 0)
+    try:
+        on_demand = float(r.copy(use_spot=False).get_cost(3600))
+    except (ValueError, AssertionError):
+        on_demand = math.nan
+    try:
+        spot: float | None = float(r.copy(use_spot=True).get_cost(3600))
+    except (ValueError, AssertionError):
+        spot = None
+    if spot is not None and math.isnan(spot):
+        spot = None
+    if math.isnan(on_demand):
+        if not r.use_spot or spot is None:
+            return None
+        on_demand = spot  # a spot-only offering: its on-demand price is unknown
+    gpu_mem: float | None = None
+    if name is not None:
+        gpu_mem = memory.get(str(name))
+    return Candidate(
+        cloud=str(r.cloud).lower(),
+        region=str(r.region),
+        instance_type=str(r.instance_type),
+        accelerator=None if name is None else str(name),
+        accelerator_count=int(count),
+        gpu_memory_gib=gpu_mem,
+        price_per_node_hour=on_demand,
+        spot_price_per_node_hour=spot,
+        zone=None,
+        preference=pref,
+        spot=bool(r.use_spot),
+    )
+
+
+def oracle_for_task(task: Any, *, clouds: Sequence[str] = ()) -> OracleResult:
+    """SkyPilot's optimizer, in process and offline, on this machine's catalog: the
+    launchable resources it accepts for each of the task's options (its own
+    ``_fill_in_launchable_resources``: the cheapest instance type per cloud that
+    satisfies accelerators, cpus, memory, disk, image regions, ports..., in every
+    region and zone it allows), and its own pick. An option SkyPilot cannot place is
+    skipped as SkyPilot skips it; when none is left, :class:`SkyPilotRefused` carries
+    SkyPilot's reason in one line. Raises :class:`CatalogUnavailable` without one."""
+    import copy
+
+    import sky
+    from sky import exceptions, optimizer
+
+    require_catalog(clouds)
+    memory = _memory_table()
+    with offline_clouds(clouds):
+        work = copy.deepcopy(task)
+        dag = sky.Dag()
+        dag.add(work)
+        try:
+            sky.Optimizer.optimize(dag, minimize=sky.OptimizeTarget.COST, quiet=True)
+        except (exceptions.ResourcesUnavailableError, exceptions.NoCloudAccessError) as e:
+            raise SkyPilotRefused(f"SkyPilot refuses it: {_one_line(e)}") from None
+        except (ValueError, ImportError, AssertionError) as e:
+            raise SkyPilotRefused(f"SkyPilot refuses it: {_one_line(e)}") from None
+        best_r = work.best_resources
+        ordered = isinstance(task.resources, list)
+        probe = copy.deepcopy(task)
+        out: dict[tuple[str, str, str, bool], Candidate] = {}
+        options = list(probe.resources)
+        for i, res in enumerate(options):
+            probe.set_resources(res)
+            requested = next(iter(probe.resources))
+            try:
+                launchable, _, _, _ = optimizer._fill_in_launchable_resources(
+                    task=probe, blocked_resources=None, quiet=True
+                )
+            except (exceptions.ResourcesUnavailableError, ValueError, ImportError):
+                continue
+            for lr in launchable.get(requested, []):
+                c = _candidate_of(lr, i if ordered else 0, memory)
+                if c is None:
+                    continue
+                key = (c.cloud, c.region, c.instance_type, bool(c.spot))
+                old = out.get(key)
+                if (
+                    old is None
+                    or c.preference < old.preference
+                    or (
+                        c.preference == old.preference
+                        and (c.spot_price_per_node_hour or 0)
+                        < (old.spot_price_per_node_hour or math.inf)
+                    )
+                ):
+                    out[key] = c
+    best = _candidate_of(best_r, 0, memory)
+    assert best is not None
+    pinned_zone = {str(r.zone) for r in task.resources if r.zone}
+    cands = tuple(
+        replace(c, zone=next(iter(pinned_zone))) if len(pinned_zone) == 1 else c
+        for c in out.values()
+    )
+    return OracleResult(cands, best)

@@ -219,6 +219,8 @@ def _sky_errors(what: str) -> Iterator[None]:
         yield
     except (ValueError, TypeError, KeyError, AssertionError, SystemExit) as e:
         raise TaskRejected(f"{what}: SkyPilot rejected it: {_first_line(e)}") from None
+    except ImportError as e:  # e.g. infra: k8s without SkyPilot's kubernetes extra
+        raise TaskRejected(f"{what}: SkyPilot cannot check it here: {_first_line(e)}") from None
     except Exception as e:
         if type(e).__module__.startswith("sky.") or "jsonschema" in type(e).__module__:
             raise TaskRejected(f"{what}: SkyPilot rejected it: {_first_line(e)}") from None
@@ -255,7 +257,11 @@ def task_from_config(
     ``secrets`` go in as overrides so they stay out of the YAML text SkyPilot keeps."""
     import sky
 
-    with _sky_errors(what):
+    from orchestrator.launchers.catalog import offline_clouds
+
+    # Parsing asks SkyPilot for the enabled clouds (``ports:`` does): offline, they
+    # are the clouds with a catalog here, never a "run sky check".
+    with offline_clouds(), _sky_errors(what):
         task = sky.Task.from_yaml_config(
             dict(config), secrets_overrides=list((secrets or {}).items()) or None
         )
@@ -835,9 +841,8 @@ class SkyPilotLauncher:
         from orchestrator.launchers.catalog import (
             CatalogUnavailable,
             UnknownAccelerator,
-            demand_from_task,
             gather_candidates,
-            gather_for_task,
+            oracle_for_task,
         )
 
         try:
@@ -845,8 +850,9 @@ class SkyPilotLauncher:
                 # The accelerators live in the user's YAML: plan its own options.
                 what = f"SkyPilot task {spec.task.skypilot_yaml}"
                 config = load_task_config(Path(spec.task.skypilot_yaml), what=what)
-                demand = demand_from_task(task_from_config(config, what=what))
-                return list(gather_for_task(demand, clouds=spec.clouds))
+                sky_task = task_from_config(config, what=what)
+                # SkyPilot's own optimizer decides what is launchable (oracle_for_task).
+                return list(oracle_for_task(sky_task, clouds=spec.clouds).candidates)
             return list(
                 gather_candidates(spec.accelerator_names, clouds=spec.clouds, regions=spec.regions)
             )
