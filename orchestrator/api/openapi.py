@@ -74,10 +74,8 @@ def _answers(path: str, method: str, secured: bool, op: dict[str, Any]) -> list[
     codes = ["422", "431"]
     if secured:
         codes += ["401", "403"]
-    if "{" in path:
-        codes.append("404")
-    if path.startswith("/v1/"):
-        codes.append("409")
+    if path.startswith("/v1/"):  # an id in the path, or in the body (a webhook's job)
+        codes += ["404", "409"]
     if method in ("post", "put", "patch", "delete"):
         codes += ["400", "413"]
     if (path, method) in SPEC_BODY_ROUTES:

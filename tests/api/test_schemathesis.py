@@ -24,9 +24,6 @@ LONG_EXAMPLES = 400
 
 #: Checks that are not meaningful here, and why.
 SKIPPED = (
-    # FastAPI documents only 200/201/422 per route; the 401/403/404/409/413 the routes
-    # answer (each naming the cause) are not in the schema.
-    oa_checks.status_code_conformance,
     # The bodies are checked past what OpenAPI can say (no NUL or unpaired surrogate
     # in any string, JSON depth, min_nodes <= num_nodes, a spec sent as raw JSON or
     # YAML), so "schema-valid" data is often rightly refused.
@@ -40,9 +37,7 @@ UNFUZZED = ("/v1/agent/",)
 
 #: Failures known and owned elsewhere: (operation, schemathesis code) -> why. They are
 #: printed, not failed on; fix the route, then drop the entry.
-KNOWN = {
-    ("POST /v1/tokens", "ST108"): "answers 422 with a string detail; the schema says a list",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _seed(app: Any) -> str:
@@ -103,6 +98,60 @@ def fuzz(app: Any, examples: int) -> tuple[int, list[str]]:
 
         run()
     return sent[0], failures
+
+
+#: Stateful runs: scenarios per run and steps per scenario (default; ``long``).
+STATEFUL = (4, 4)
+LONG_STATEFUL = (400, 10)
+
+
+def stateful(app: Any, scenarios: int, steps: int) -> tuple[int, list[str]]:
+    """schemathesis's state machine over the OpenAPI's links (it infers them, e.g. the
+    ``id`` a ``POST /v1/jobs`` answers into ``/v1/jobs/{job_id}/...``), every call with
+    the operator token: the job spec is a request body in the schema, so scenarios
+    submit generated jobs and then act on them. Returns (calls made, failures)."""
+    schema = schemathesis.openapi.from_asgi("/openapi.json", app).exclude(path_regex="^/v1/agent/")
+    token = {"Authorization": f"Bearer {app.state.token}"}
+    calls = [0]
+    failures: list[str] = []
+
+    class Scenario(schema.as_state_machine()):  # type: ignore[misc]
+        def get_call_kwargs(self, case: Any) -> dict[str, Any]:
+            return {"headers": token}
+
+        def validate_response(self, response: Any, case: Any, **kw: Any) -> None:
+            calls[0] += 1
+            try:
+                case.validate_response(response, excluded_checks=list(SKIPPED),
+                                       transport_kwargs=kw.get("transport_kwargs"))  # fmt: skip
+            except (Exception, BaseExceptionGroup) as e:
+                failures.append(f"{case.operation.label}: {str(e)[:600]}")
+
+    Scenario.run(
+        settings=settings(
+            max_examples=scenarios,
+            stateful_step_count=steps,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+            derandomize=True,
+            database=None,
+        )
+    )
+    return calls[0], failures
+
+
+def test_stateful_scenarios_make_no_server_error(app):
+    calls, failures = stateful(app, *STATEFUL)
+    print(f"schemathesis stateful: {calls} calls, {len(failures)} failures")
+    assert calls > 0
+    assert not failures, f"{len(failures)} of {calls} calls failed:\n" + "\n".join(failures)
+
+
+@pytest.mark.long
+def test_stateful_scenarios_make_no_server_error_long(app):
+    calls, failures = stateful(app, *LONG_STATEFUL)
+    print(f"schemathesis stateful: {calls} calls, {len(failures)} failures")
+    assert not failures, f"{len(failures)} of {calls} calls failed:\n" + "\n".join(failures)
 
 
 def test_no_input_is_a_server_error(app):
