@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from conftest import SECRET, Receiver
+from webhook_receiver import SECRET, Receiver
 
 from orchestrator.domain.protocol import ORDER
 from orchestrator.domain.status import JobStatus

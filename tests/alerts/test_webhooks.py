@@ -1,14 +1,16 @@
 """Alerts through the outbox to a real HTTP receiver, on SQLite and PostgreSQL:
 each event reaches it once, signed, across a restart of the loop; a receiver that
-fails is retried on the backoff's schedule; a job's webhook hears only its job."""
+fails is retried on the backoff's schedule; a job's webhook hears only its job.
+The outbox's SQL (claim, unique key) runs on both backends in the first test; the
+others run on SQLite alone, to keep the default run short."""
 
 from __future__ import annotations
 
 from datetime import timedelta
 
-from conftest import SECRET
 from goodput_history import LOST_STEPS, JobHistory, at, two_incident_job
 from sqlalchemy import func, select
+from webhook_receiver import SECRET
 
 from orchestrator.alerts import outbox
 from orchestrator.alerts.loop import AlertMetrics, OperatorLoop
@@ -67,7 +69,8 @@ def test_each_event_is_delivered_once_and_signed_across_a_restart(sessions, rece
     assert f"https://sky.example/dashboard/jobs/{bad.id}" in failed["text"]
 
 
-def test_a_failing_receiver_is_retried_on_the_backoff_schedule(sessions, receiver):
+def test_a_failing_receiver_is_retried_on_the_backoff_schedule(sqlite_sessions, receiver):
+    sessions = sqlite_sessions
     with sessions() as s:
         two_incident_job(s)
         s.commit()
@@ -86,7 +89,8 @@ def test_a_failing_receiver_is_retried_on_the_backoff_schedule(sessions, receive
         assert {r.tries for r in rows} == {2} and all(r.delivered_at for r in rows)
 
 
-def test_a_jobs_own_webhook_hears_only_that_job(sessions, receiver):
+def test_a_jobs_own_webhook_hears_only_that_job(sqlite_sessions, receiver):
+    sessions = sqlite_sessions
     with sessions() as s:
         mine = two_incident_job(s, "mine")
         other = two_incident_job(s, "other")
@@ -100,7 +104,8 @@ def test_a_jobs_own_webhook_hears_only_that_job(sessions, receiver):
     assert other.id not in {b["job_id"] for b in bodies}
 
 
-def test_metrics_count_each_event_once_and_what_is_pending(sessions, receiver):
+def test_metrics_count_each_event_once_and_what_is_pending(sqlite_sessions, receiver):
+    sessions = sqlite_sessions
     with sessions() as s:
         two_incident_job(s)
         s.commit()

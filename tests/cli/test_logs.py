@@ -23,8 +23,25 @@ from orchestrator.store.models import Attempt, NodeCommand
 AGENT = {"agent_version": __version__, "agent_build": "source", "protocol": AGENT_PROTOCOL}
 
 
-@pytest.fixture
-def job(client: TestClient) -> str:
+@pytest.fixture(scope="module")
+def sqlite_client(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """One SQLite app for the module: the routes' checks, not the store's SQL (the
+    first test runs that on both backends)."""
+    from orchestrator.api.app import create_app
+    from orchestrator.settings import Settings
+    from orchestrator.store import db
+
+    tmp = tmp_path_factory.mktemp("logs")
+    url = f"sqlite:///{tmp / 'logs.db'}"
+    db.upgrade(url)
+    app = create_app(Settings(home=tmp / "home", database_url=url))
+    with TestClient(app) as c:
+        c.headers["Authorization"] = f"Bearer {app.state.token}"
+        yield c
+    app.state.engine.dispose()
+
+
+def make_job(client: TestClient) -> str:
     r = client.post("/v1/jobs", json=job_spec(num_nodes=1))
     assert r.status_code == 201, r.text
     job_id = r.json()["id"]
@@ -40,6 +57,16 @@ def job(client: TestClient) -> str:
     r = client.post(f"{node}/register", json={"node_rank": 0, "hostname": "10.0.0.7", **AGENT})
     assert r.status_code == 200, r.text
     return job_id
+
+
+@pytest.fixture
+def job(client: TestClient) -> str:
+    return make_job(client)
+
+
+@pytest.fixture
+def sjob(sqlite_client: TestClient) -> str:
+    return make_job(sqlite_client)
 
 
 def put_logs(client: TestClient, job: str, body: dict, node: str = "n0") -> int:  # type: ignore[type-arg]
@@ -83,11 +110,13 @@ def test_an_upload_is_stored_per_source_and_the_next_replaces_it(client, job):
     ],
     ids=["bad-source", "too-many-lines", "bad-reason"],
 )
-def test_an_upload_outside_the_limits_is_refused(client, job, body):
+def test_an_upload_outside_the_limits_is_refused(sqlite_client, sjob, body):
+    client, job = sqlite_client, sjob
     assert put_logs(client, job, body) == 422
 
 
-def test_an_unknown_node_or_another_jobs_token_is_refused(client, job):
+def test_an_unknown_node_or_another_jobs_token_is_refused(sqlite_client, sjob):
+    client, job = sqlite_client, sjob
     assert put_logs(client, job, {"reason": "exit", "logs": []}, node="n9") == 404
     other = client.post("/v1/jobs", json=job_spec(num_nodes=1)).json()["id"]
     r = client.put(
@@ -98,7 +127,8 @@ def test_an_unknown_node_or_another_jobs_token_is_refused(client, job):
     assert r.status_code == 401
 
 
-def test_asking_for_logs_queues_one_upload_command_for_the_current_attempt(client, job):
+def test_asking_for_logs_queues_one_upload_command_for_the_current_attempt(sqlite_client, sjob):
+    client, job = sqlite_client, sjob
     r = client.post(f"/v1/jobs/{job}/logs/request")
     assert r.status_code == 200 and r.json()["attempt"] == 1
     with client.app.state.sessionmaker() as s:
