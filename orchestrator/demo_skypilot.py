@@ -105,6 +105,7 @@ class SkyLoop:
                 SKYRESUME_LAUNCHER="skypilot",
                 SKYRESUME_RECONCILE="true",
                 SKYRESUME_SKYPILOT_IMAGE_ID=EMULATED_AMI,
+                SKYRESUME_SKYPILOT_YAML_DIR=str(home),  # where submit writes task.yaml
                 SKYRESUME_PIP_ARGS="--no-index",
                 # The service's own reads of checkpoints (CONFIRM): SeaweedFS, not moto.
                 SKYRESUME_S3_ENDPOINT_URL=self.s3.endpoint_url,
