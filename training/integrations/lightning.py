@@ -1,0 +1,206 @@
+"""Lightning under skyresume: ``fit(trainer, model, ...)`` in place of ``trainer.fit``.
+
+    from training.integrations.lightning import ResumableDataLoader, fit
+    loader = ResumableDataLoader(ds, batch_size=8, shuffle=True)   # was: DataLoader
+    fit(trainer, model, loader)                                      # was: trainer.fit
+
+What ``fit`` does, and why:
+
+* **Signals.** Lightning registers a SIGTERM handler when ``fit`` starts (after the
+  ``setup`` hooks) that broadcasts a tensor from inside the handler and then raises
+  ``SIGTERMException`` at the next batch, with no save. A collective inside a signal
+  handler can interleave with the training step's own; skyresume's handler only sets
+  a flag. So at ``on_train_start`` (after Lightning registered its handlers) the
+  callback puts skyresume's handler back for SIGTERM and SIGUSR1; Lightning's
+  ``received_sigterm`` then stays False and its per-step broadcast of it sends 0
+  on every rank. Lightning restores the handlers it found at teardown.
+* **Saves** are ``trainer.save_checkpoint`` (Lightning's own ``.ckpt``: weights,
+  optimizers, schedulers, loops, callbacks) into ``step_<N>/lightning.ckpt``,
+  committed with our manifest; it opens with ``Trainer.fit(ckpt_path=...)`` or
+  ``LightningModule.load_from_checkpoint`` as usual. The callback adds every rank's
+  RNG states to it (Lightning saves none), and restores this rank's on resume.
+* **Resume**: ``ckpt_path`` is the agreed, staged ``step_<N>/lightning.ckpt``; every
+  rank then checks ``trainer.global_step`` against the manifest (77 otherwise).
+* **Data position**: Lightning resumes a plain DataLoader at the start of its epoch
+  (it warns: "not resumable"). ``ResumableDataLoader`` is a DataLoader that Lightning
+  treats as resumable: after a resume it skips the batches of its epoch already
+  trained on, from the global step, so no batch is replayed or lost.
+* **Knobs**: ``fit`` sets ``trainer.accumulate_grad_batches`` and the loader's
+  ``batch_size`` from the memory planner's micro-batch, global batch kept.
+* NaN/Inf in the loss or grad norm on any rank: exit 76 in ``on_before_optimizer_step``
+  (before the update); spikes, stragglers and progress as ``training.Run`` reports them.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+from training.integrations.session import FrameworkRun, Resume
+
+try:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+except ImportError as e:  # pragma: no cover - the extra is not installed
+    raise ImportError(
+        "training.integrations.lightning needs lightning: pip install 'skyresume[lightning]'"
+    ) from e
+
+#: The file name of Lightning's checkpoint inside ``step_<N>``.
+CKPT_NAME = "lightning.ckpt"
+
+
+class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
+    """A DataLoader that resumes mid-epoch: ``skip`` batches are dropped from the
+    next iteration only (set by the callback after a resume). ``state_dict`` and
+    ``load_state_dict`` mark it resumable for Lightning; the position itself comes
+    from the restored global step, which Lightning keeps exactly."""
+
+    skip = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        it = super().__iter__()
+        n, self.skip = self.skip, 0
+        for _ in range(n):
+            next(it)
+        yield from it
+
+
+def _grad_norm(module: Any) -> Any:
+    import torch
+
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads) if grads else None
+
+
+class SkyresumeCallback(pl.Callback):
+    """The per-step hooks (see the module). ``fit`` installs it."""
+
+    def __init__(self, session: FrameworkRun, resume: Resume | None) -> None:
+        self.session = session
+        self.resume = resume
+        self.loss: Any = None
+        self._rng: list[Any] | None = None
+        self._step_at_batch_start = 0
+        self._in_step = False
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        run = self.session.run
+        for s in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(s, run._stop._handle)  # over Lightning's (see the module)
+        if trainer.optimizers:
+            run.optimizer = trainer.optimizers[0]
+        self.session.confirm_resumed(int(trainer.global_step), self.resume)
+        if self._rng is not None and self.resume is not None:
+            from training.rng import restore_rng_state
+
+            if len(self._rng) == self.session.world_size:  # else: Lightning's own seeding
+                import pickle
+
+                restore_rng_state(pickle.loads(self._rng[self.session.rank].numpy().tobytes()))
+        loader = trainer.train_dataloader
+        if isinstance(loader, ResumableDataLoader) and trainer.global_step:
+            per_epoch = int(trainer.num_training_batches)
+            loader.skip = (trainer.global_step * trainer.accumulate_grad_batches) % per_epoch
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
+        if not self._in_step:  # the step's first micro-batch
+            self._in_step = True
+            self._step_at_batch_start = trainer.global_step
+            self.session.run._begin_step()
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        d = loss.detach()
+        self.loss = d if self.loss is None else self.loss + d
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        loss = self.loss if self.loss is not None else float("nan")
+        self.session.run.report(loss=loss, grad_norm=_grad_norm(pl_module))
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        if trainer.global_step == self._step_at_batch_start:
+            return  # accumulating: no optimizer step in this batch
+        session = self.session
+        self._in_step = False
+        session.run.end_step()
+        self.loss = None
+        step = int(trainer.global_step)
+        if session.run.should_stop():
+            session.stopped = True
+            if session.root is not None and session.last_saved != step:
+                self.save(trainer, step)
+            trainer.should_stop = True
+        elif session.save_due(step, int(trainer.max_steps)):
+            self.save(trainer, step)
+
+    def save(self, trainer: Any, step: int) -> None:
+        src = self.session.saving_dir(step)
+        trainer.save_checkpoint(str(src / CKPT_NAME))  # every rank: a collective in Lightning
+        self.session.commit(src, step)
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        import pickle
+
+        import torch
+
+        from training.rng import capture_rng_state
+
+        # As bytes in a tensor: Lightning loads checkpoints with weights_only=True,
+        # which refuses numpy's generator state as a pickled object.
+        mine = torch.frombuffer(bytearray(pickle.dumps(capture_rng_state())), dtype=torch.uint8)
+        every: list[Any] = [mine]
+        if self.session.distributed:
+            import torch.distributed as dist
+
+            every = [None] * self.session.world_size
+            dist.all_gather_object(every, mine)
+        checkpoint["skyresume_rng"] = every
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        self._rng = checkpoint.get("skyresume_rng")
+
+
+def apply_knobs(trainer: Any, loader: Any, session: FrameworkRun) -> Any:
+    """``accumulate_grad_batches`` and the loader's batch size from the planner's
+    micro-batch, global batch kept. Returns the loader to train on."""
+    per_device = int(loader.batch_size)
+    plan = session.batch_plan(per_device, int(trainer.accumulate_grad_batches))
+    trainer.accumulate_grad_batches = plan.grad_accum
+    if plan.micro_batch == per_device:
+        return loader
+    return type(loader)(
+        loader.dataset,
+        batch_size=plan.micro_batch,
+        sampler=loader.sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        drop_last=loader.drop_last,
+        generator=loader.generator,
+    )
+
+
+def fit(trainer: Any, model: Any, train_dataloaders: Any = None, **kwargs: Any) -> None:
+    """``trainer.fit(model, train_dataloaders, ...)`` under skyresume (see the module).
+    A stop exits 75, a NaN 76, an unusable or disputed checkpoint 78/77 (RunExit)."""
+    if "ckpt_path" in kwargs:
+        raise TypeError("ckpt_path is skyresume's to choose (SKYRESUME_RUN_*)")
+    session = FrameworkRun("lightning")
+    if train_dataloaders is not None:
+        train_dataloaders = apply_knobs(trainer, train_dataloaders, session)
+    resume = session.restore()
+    callback = SkyresumeCallback(session, resume)
+    trainer.callbacks.append(callback)
+    ckpt = str(resume.path / CKPT_NAME) if resume is not None else None
+    trainer.fit(model, train_dataloaders, ckpt_path=ckpt, **kwargs)
+    if session.stopped:
+        session.exit_stopped()
+    session.finish()
