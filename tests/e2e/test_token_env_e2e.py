@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.api.auth import job_token
+from orchestrator.api.auth import job_token, node_token
 from orchestrator.demo import DemoService, api_get, api_post, job_spec, wait_for
 from orchestrator.launchers.localboot import NODE_MARKER
 
@@ -76,6 +76,8 @@ def test_no_node_process_but_the_agent_holds_a_token_and_no_log_line_does(servic
     agent_token = job_token(bootstrap, job, 1)
     secrets = {"the bootstrap token": bootstrap.encode(), "a stored operator token":
                stored.encode(), "the agent token": agent_token.encode()}  # fmt: skip
+    for k in range(2):  # what register hands each node: a token for its own routes
+        secrets[f"node {k}'s token"] = node_token(bootstrap, job, 1, f"{job}-a1-n{k}").encode()
     procs = node_processes(job)
     agents = [p for p, (_, cmd) in procs.items() if is_agent(cmd)]
     others = {p: v for p, v in procs.items() if p not in agents}
