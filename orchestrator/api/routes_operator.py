@@ -179,11 +179,13 @@ def list_webhooks(session: SessionDep) -> dict[str, Any]:
     }
 
 
-@router.delete("/alerts/webhooks/{webhook_id}")
-def delete_webhook(webhook_id: int, session: SessionDep) -> dict[str, Any]:
-    w = session.get(AlertWebhook, webhook_id)
+@router.delete("/alerts/webhooks/{ref}")
+def delete_webhook(ref: int, session: SessionDep) -> dict[str, Any]:
+    """``ref``: the webhook's id (the path segment is named as the tokens routes name
+    theirs)."""
+    w = session.get(AlertWebhook, ref)
     if w is None:
-        raise HTTPException(404, f"no webhook {webhook_id}")
+        raise HTTPException(404, f"no webhook {ref}")
     session.delete(w)
     session.commit()
-    return {"deleted": webhook_id}
+    return {"deleted": ref}
