@@ -251,14 +251,28 @@ def _gpus(p: Any) -> str:
     return f"{p.accelerator_count}x {p.accelerator}{mem}"
 
 
-def _knobs(p: Any) -> str:
+#: The knobs in each framework's own terms (task.framework; training.integrations
+#: applies them under these names): micro-batch, accumulation, activation checkpointing.
+KNOB_NAMES: dict[str, tuple[str, str, str]] = {
+    "skyresume": ("micro", "accum", "AC"),
+    "plain": ("micro", "accum", "AC"),
+    "hf": ("per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing"),
+    "accelerate": ("batch_size", "gradient_accumulation_steps", "gradient_checkpointing"),
+    "lightning": ("batch_size", "accumulate_grad_batches", "activation checkpointing"),
+}
+
+
+def _knobs(p: Any, framework: str = "skyresume") -> str:
     k = p.knobs
     if k is None:
         return "-"
     ac = {0: "off", 1: "every block"}.get(
         k.activation_checkpoint_every, f"every {k.activation_checkpoint_every}th"
     )
-    return f"micro {k.micro_batch} x accum {k.grad_accum}, AC {ac}"
+    micro, accum, ckpt = KNOB_NAMES.get(framework, KNOB_NAMES["skyresume"])
+    if framework in ("skyresume", "plain"):
+        return f"{micro} {k.micro_batch} x {accum} {k.grad_accum}, {ckpt} {ac}"
+    return f"{micro} {k.micro_batch}, {accum} {k.grad_accum}, {ckpt} {ac}"
 
 
 def _ranked_json(r: Any) -> dict[str, Any]:
@@ -343,6 +357,7 @@ def plan(
     if not ranking.ranked:
         fail(f"no placement for {spec.name!r}: {ranking.why_empty()}", 2)
     top = ranking.ranked[0].placement
+    framework = str(getattr(spec.task, "framework", "skyresume"))
     after = replacement_after_preemption(spec, candidates, past, now, top, exclude_regions=excluded)
     replacement = after.ranked[0] if after.ranked else None
 
@@ -353,6 +368,7 @@ def plan(
             "job": spec.name,
             "num_nodes": spec.num_nodes,
             "spot": spec.spot,
+            "framework": framework,
             "notes": notes,
             "resources_kept": fields,
             "skypilot_choice": (
@@ -410,7 +426,7 @@ def plan(
             f"{r.price_per_job_hour:.2f}",
             f"{r.score:.2f}",
             f"{r.expected_lost_fraction:.0%}",
-            _knobs(p),
+            _knobs(p, framework),
         )
     console.print(table)
     console.print(
@@ -450,7 +466,7 @@ def plan(
         console.print(
             f"after a preemption in {top.cloud}/{top.region}: {p.cloud}/{p.region} "
             f"{p.instance_type} ({_gpus(p)}) x {p.num_nodes}, "
-            f"${replacement.price_per_job_hour:.2f}/h, knobs {_knobs(p)}",
+            f"${replacement.price_per_job_hour:.2f}/h, knobs {_knobs(p, framework)}",
             highlight=False,
             markup=False,
         )

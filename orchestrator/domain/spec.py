@@ -149,13 +149,17 @@ class TaskSpec(_Strict):
     skypilot_yaml: str | None = None
     command: str | None = None
     """The training command, run by the node agent under torchrun."""
-    framework: Literal["skyresume", "plain"] = "skyresume"
+    framework: Literal["skyresume", "hf", "accelerate", "lightning", "plain"] = "skyresume"
     """``skyresume``: the script uses ``training.Run`` (it reports what it resumed from
-    and its steps, saves on SIGTERM and exits 75). ``plain``: it imports nothing of
-    skyresume and runs under the plain-script contract (README): no resume report is
-    waited for, exit 0 is success, a restart passes ``checkpoint.own`` or starts from
-    scratch. Left at ``skyresume``, a script that sends no reports is noticed at run
-    time and put under the same contract (one ``plain_script`` event says so)."""
+    and its steps, saves on SIGTERM and exits 75). ``hf``, ``accelerate``,
+    ``lightning``: a Hugging Face Trainer, Accelerate or Lightning script under
+    ``training.integrations`` (the same contract as ``skyresume``, the framework's own
+    checkpoint format; ``skyresume plan`` names the knobs in its terms). ``plain``: it
+    imports nothing of skyresume and runs under the plain-script contract (README): no
+    resume report is waited for, exit 0 is success, a restart passes ``checkpoint.own``
+    or starts from scratch. Left at ``skyresume``, a script that sends no reports is
+    noticed at run time and put under the same contract (one ``plain_script`` event
+    says so)."""
 
     @field_validator("template")
     @classmethod

@@ -125,7 +125,7 @@ PLAIN_BAD = [
     ),
     (
         "unknown_framework",
-        {"task": {**_TASK, "framework": "lightning"}},
+        {"task": {**_TASK, "framework": "keras"}},
         "task.framework",
         "'plain'",
     ),
