@@ -692,7 +692,8 @@ class Agent:
         self.ring: logtail.RingHandler | None = None  # main() installs it
         self.logs = (
             logtail.LogUploader(
-                lambda body: self.client.request("PUT", "/logs", body),  # type: ignore[union-attr]
+                # A short timeout: the exit upload must not hold up a node's exit.
+                lambda body: self.client.request("PUT", "/logs", body, timeout=3.0),  # type: ignore[union-attr]
                 lambda: logtail.collect(self.ring, self.ranks, self.cfg.log_dir / "torchrun.log"),
                 every_s=float(environ.get(logtail.EVERY_ENV) or logtail.EVERY_S),
             )
@@ -1506,8 +1507,6 @@ class Agent:
         return code
 
     def _finish(self) -> None:
-        if self.logs is not None:
-            self.logs.stop()  # the last lines, at exit
         if self.client is not None:
             if not self.outbox.wait_drained(self.cfg.final_flush_s):
                 log.error(
@@ -1515,6 +1514,8 @@ class Agent:
                     self.outbox.pending,
                     self.cfg.final_flush_s,
                 )
+            if self.logs is not None:
+                self.logs.stop()  # the last lines, after the reports (they matter more)
             if self._registered.is_set() and self.superseded is None:
                 with contextlib.suppress(Unreachable, Superseded):
                     self.client.heartbeat(self._heartbeat_body())
