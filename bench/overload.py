@@ -169,13 +169,15 @@ def seed(url: str, spec: dict[str, Any], nodes: int, job_id: str) -> None:
         engine.dispose()
 
 
-async def register_all(base: str, jobs: list[tuple[str, int]]) -> None:
+async def register_all(base: str, jobs: list[tuple[str, int]]) -> float:
+    """Register every node; the longest ``heartbeat_s`` the answers named."""
     import aiohttp
 
     from orchestrator import __version__
     from orchestrator.contract import AGENT_PROTOCOL
 
     sem = asyncio.Semaphore(32)
+    told = [1.0]
     async with aiohttp.ClientSession() as http:
 
         async def one(job_id: str, k: int) -> None:
@@ -193,6 +195,7 @@ async def register_all(base: str, jobs: list[tuple[str, int]]) -> None:
                 try:
                     async with sem, http.post(path, json=body, headers=headers) as r:
                         if r.status == 200:
+                            told.append(float((await r.json()).get("heartbeat_s") or 1.0))
                             return
                         text = f"HTTP {r.status} {(await r.text())[:300]}"
                 except aiohttp.ClientError as e:
@@ -201,6 +204,7 @@ async def register_all(base: str, jobs: list[tuple[str, int]]) -> None:
             raise RuntimeError(f"register node{k}: {text}")
 
         await asyncio.gather(*(one(j, k) for j, n in jobs for k in range(n)))
+    return max(told)
 
 
 def generator(
@@ -224,12 +228,14 @@ def generator(
                     "Content-Type": "application/json",
                 }
                 killed = job_id == cfg["small"] and k == 0
-                await asyncio.sleep(random.uniform(0, 1.0))  # agents start apart
+                obey = cfg["mode"] == "obey"
+                period = cfg["period"] if obey else 1.0  # register's heartbeat_s
+                await asyncio.sleep(random.uniform(0, period))  # agents start apart
                 tick = 0
                 while time.time() < end:
                     if killed and time.time() >= t0 + cfg["kill_at"]:
                         return  # the node is gone: no more beats
-                    wait = 1.0
+                    wait = period * (random.uniform(0.9, 1.1) if obey else 1.0)
                     data = json.dumps(heartbeat_body(k, tick))
                     tick += 1
                     sent = time.perf_counter()
@@ -243,19 +249,22 @@ def generator(
                                 lat.append(time.perf_counter() - sent)
                                 last_ok[f"{job_id}/node{k}"] = time.time()
                                 told = (json.loads(raw) or {}).get("interval_s")
-                                if cfg["mode"] == "obey" and isinstance(told, (int, float)):
-                                    wait = max(1.0, told) * random.uniform(0.9, 1.1)
+                                if obey and isinstance(told, (int, float)) and told > 1.0:
+                                    period = float(told)
+                                    wait = period * random.uniform(0.9, 1.1)
                             elif r.status in (429, 503):
                                 counts["refused"] += 1
                                 ra = float(r.headers.get("Retry-After") or 1.0)
-                                if cfg["mode"] == "obey":
+                                if obey:
                                     wait = ra * (1 + random.uniform(0, 0.5))
                             else:
                                 counts["errors"] += 1
                     except TimeoutError:
                         counts["timeouts"] += 1
+                        sent = time.perf_counter()  # the agent's backoff counts from here
                     except aiohttp.ClientError:
                         counts["errors"] += 1
+                        sent = time.perf_counter()
                     await asyncio.sleep(max(0.0, wait - (time.perf_counter() - sent)))
 
             await asyncio.gather(*(node(j, k) for j, k in nodes))
@@ -334,11 +343,11 @@ def one_run(cores: float | None, mode: str, cfg: dict[str, Any], work: Path) -> 
                 jobs.append((r.json()["id"], n))
             for job_id, n in jobs:
                 seed(url, {}, n, job_id)
-            asyncio.run(register_all(base, jobs))
+            period = asyncio.run(register_all(base, jobs))
             rec = ctx.Process(target=run_reconciler, args=(url, str(home / "reconciler.log")))
             rec.start()
             quota.add(rec.pid)
-            cfg = {**cfg, "small": jobs[1][0], "mode": mode}
+            cfg = {**cfg, "small": jobs[1][0], "mode": mode, "period": period}
             q = ctx.Queue()
             t0 = time.time() + 1.0
             everyone = [(j, k) for j, n in jobs for k in range(n)]
@@ -390,6 +399,7 @@ def one_run(cores: float | None, mode: str, cfg: dict[str, Any], work: Path) -> 
         "p99_ms": round(1000 * lat[int(len(lat) * 0.99)], 1) if lat else None,
         "service_cpu_s": round(cpu1 - cpu0, 1),
         "throttled_s": round(thr1 - thr0, 1) if thr0 is not None and thr1 is not None else None,
+        "period_s": period,
         "examples": [e["message"] for e in false_lost[:2]],
     }
 

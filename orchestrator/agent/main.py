@@ -716,6 +716,8 @@ class Agent:
         self._signal_received: int | None = None
         self.cursor = 0
         self.acked: int | None = None
+        self.period_s = cfg.heartbeat_s
+        """The heartbeat period: ours, or the longer one the service named (a big fleet)."""
         self.outbox = _Outbox()
         self.superseded: str | None = None
         self.notice_at: float | None = None
@@ -920,6 +922,8 @@ class Agent:
             self.client.use_token(issued)
             log.info("enrolled: the service issued this attempt's agent token")
         self.cursor = max(self.cursor, int(ans.body.get("command_cursor") or 0))
+        told = ans.body.get("heartbeat_s")  # a big fleet's period, from the first beat on
+        self.period_s = told_interval({"interval_s": told}, self.cfg.heartbeat_s, jitter=0.0)
         self._registered.set()
         log.info("registered (command cursor %d)", self.cursor)
         return True
@@ -936,14 +940,14 @@ class Agent:
     def _retry_delays(self) -> Iterator[float]:
         # Capped low: one request per node per ~2 s is nothing for the service, and a
         # restarted service must see every node again within a couple of heartbeats.
-        return backoff_delays(base=0.2, cap=max(2.0, 2 * self.cfg.heartbeat_s))
+        return backoff_delays(base=0.2, cap=max(2.0, 2 * self.period_s))
 
     def _heartbeat_loop(self) -> None:
         assert self.client is not None
         delays = self._retry_delays()
         unreachable_since: float | None = None
         while not self._exit.is_set():
-            wait = self.cfg.heartbeat_s
+            wait = told_interval({"interval_s": self.period_s}, self.cfg.heartbeat_s)
             try:
                 if not self._registered.is_set():
                     self._register()
@@ -956,6 +960,10 @@ class Agent:
                         log.error("heartbeat refused: HTTP %s %s", ans.status, ans.body)
                     else:  # a fleet too big for our own period: the service's, jittered
                         wait = told_interval(ans.body, self.cfg.heartbeat_s)
+                        told = ans.body.get("interval_s") if isinstance(ans.body, dict) else None
+                        self.period_s = told_interval(
+                            {"interval_s": told}, self.cfg.heartbeat_s, jitter=0.0
+                        )
                 if unreachable_since is not None:
                     log.warning(
                         "service reachable again after %.1f s", time.monotonic() - unreachable_since

@@ -124,8 +124,10 @@ class LiveHeartbeats:
         """Successful flushes (tests and the bench read it)."""
         self.failed_flushes = 0
         self.fleet_nodes = 0
-        """Nodes this replica heard in the last ``FLEET_HORIZON_S`` (at the last flush):
-        the fleet size the heartbeat interval grows with (``api/backpressure.py``)."""
+        """Nodes registered for the current attempts this replica knows (at the last
+        flush), or heard in the last ``FLEET_HORIZON_S`` if more: the fleet size the
+        heartbeat interval grows with (``api/backpressure.py``). Registered ones count
+        from their register on, so a fleet's first beats are already told its period."""
         maker.configure(info={**maker.kw.get("info", {}), SESSION_KEY: self})
         event.listen(maker, "after_flush", _note_touched_jobs)
         event.listen(maker, "after_commit", self._after_commit)
@@ -308,7 +310,13 @@ class LiveHeartbeats:
                 if b.at.timestamp() < horizon and key not in self._pending:
                     del self._latest[key]
             recent = self._clock().timestamp() - FLEET_HORIZON_S
-            self.fleet_nodes = sum(1 for b in self._latest.values() if b.at.timestamp() >= recent)
+            heard = sum(1 for b in self._latest.values() if b.at.timestamp() >= recent)
+            current = sum(
+                1
+                for (job, _), att in self._nodes.items()
+                if (cur := self._jobs.get(job)) is not None and cur.current and att == cur.newest
+            )
+            self.fleet_nodes = max(heard, current)
 
     def _drop_job(self, job_id: str) -> None:
         with self._lock:
