@@ -97,7 +97,25 @@ async def _read_spec(request: Request) -> JobSpec:
     except SpecError as e:
         raise _spec_error(e) from None
     _confine_task_file(spec, request.app.state.settings)
+    if spec.task is not None and spec.task.skypilot_yaml:
+        from starlette.concurrency import run_in_threadpool
+
+        await run_in_threadpool(_parse_task_file, spec.task.skypilot_yaml)  # imports sky
     return spec
+
+
+def _parse_task_file(path: str) -> None:
+    """422 naming ``task.skypilot_yaml`` unless the file is there and SkyPilot's own
+    parser takes it (``sky.Task.from_yaml_config`` and ``validate``): a task SkyPilot
+    rejects is never stored, so nothing of it is ever launched (#26 defect 10)."""
+    from orchestrator.launchers.base import LaunchError
+    from orchestrator.launchers.skypilot import load_task_config, task_from_config
+
+    what = f"SkyPilot task {path[:200]}"
+    try:
+        task_from_config(load_task_config(Path(path), what="SkyPilot task"), what=what)
+    except LaunchError as e:
+        raise _spec_error(SpecError([("task.skypilot_yaml", str(e)[:500])])) from None
 
 
 def _confine_task_file(spec: JobSpec, settings: Settings) -> None:

@@ -1,0 +1,44 @@
+"""``POST /v1/jobs`` (what ``skyresume submit`` sends) checks ``task.skypilot_yaml``
+at once with SkyPilot's own parser: a missing file or a task SkyPilot rejects is a
+422 naming the field, and no job is stored, so nothing of it is ever launched (issue
+26, defect 10). On SQLite and PostgreSQL, as every API test."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.testkit import job_spec
+
+
+def _total(client: Any) -> int:
+    return int(client.get("/v1/jobs").json()["total"])
+
+
+def _post(client: Any, path: str) -> Any:
+    return client.post("/v1/jobs", json=job_spec(task={"skypilot_yaml": path}))
+
+
+def test_a_task_skypilot_rejects_is_never_stored(sky, client):
+    tasks = client.app.state.settings.effective_skypilot_yaml_dir
+    tasks.mkdir(parents=True, exist_ok=True)
+    before = _total(client)
+    bad = {
+        "missing.yaml": None,
+        "empty-env.yaml": "envs:\n  HF_TOKEN:\nrun: echo\n",  # SkyPilot: HF_TOKEN is None
+        "bad-field.yaml": "resources:\n  acceleratorz: A100:8\nrun: echo\n",
+        "setup.yaml": "resources:\n  disk_size: -5\nsetup: pip install torch\nrun: echo\n",
+    }
+    for name, text in bad.items():
+        path = tasks / name
+        if text is not None:
+            path.write_text(text)
+        r = _post(client, str(path))
+        assert r.status_code == 422, (name, r.text)
+        detail = r.json()["detail"][0]
+        assert detail["loc"] == ["body", "task", "skypilot_yaml"], detail
+        assert ("SkyPilot rejected it" in detail["msg"]) or ("cannot read" in detail["msg"])
+    assert _total(client) == before  # nothing stored, so nothing launched
+    good = tasks / "good.yaml"
+    good.write_text("resources:\n  accelerators: A100:8\nrun: echo\n")
+    assert _post(client, str(good)).status_code == 201
+    assert _total(client) == before + 1
