@@ -171,12 +171,24 @@ def submit(
     except OSError as e:
         fail(f"cannot read {file}: {e.strerror}", 2)
     try:
-        parse_job_spec_yaml(text)
+        spec = parse_job_spec_yaml(text)
     except SpecError as e:
         fail(f"{file}: invalid job spec: {e}", 2)
+    yaml_path = spec.task.skypilot_yaml
+    if yaml_path and not Path(yaml_path).is_absolute():
+        # Resolved once, here, against the spec's folder (as `plan` reads it), never
+        # against the service's working directory at launch.
+        from orchestrator.domain.spec import load_yaml_document
+
+        doc = load_yaml_document(text)
+        doc["task"]["skypilot_yaml"] = str((file.parent / yaml_path).resolve())
+        text = json.dumps(doc).encode()
+        ctype = "application/json"
+    else:
+        ctype = "application/yaml"
     if dry_run:
         out = Client().request(
-            "POST", "/v1/jobs/render", content=text, headers={"content-type": "application/yaml"}
+            "POST", "/v1/jobs/render", content=text, headers={"content-type": ctype}
         )
         if output is Output.json:
             print_json(out)
@@ -190,7 +202,7 @@ def submit(
     # One key per submit: a retry after a lost answer gets the job made the first time
     # (201 then, 200 now), never a second job (api/routes_jobs.py, store/submissions.py).
     key = f"cli-{uuid.uuid4()}"
-    headers = {"content-type": "application/yaml", "idempotency-key": key}
+    headers = {"content-type": ctype, "idempotency-key": key}
     job = Client().request("POST", "/v1/jobs", content=text, headers=headers, retries=3)
     if output is Output.json:
         print_json(job)

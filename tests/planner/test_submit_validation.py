@@ -5,6 +5,7 @@ at once with SkyPilot's own parser: a missing file or a task SkyPilot rejects is
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from tests.testkit import job_spec
@@ -42,3 +43,34 @@ def test_a_task_skypilot_rejects_is_never_stored(sky, client):
     good.write_text("resources:\n  accelerators: A100:8\nrun: echo\n")
     assert _post(client, str(good)).status_code == 201
     assert _total(client) == before + 1
+
+
+def test_submit_resolves_a_relative_task_path_against_the_spec_once(sky, client, monkeypatch):
+    """``skyresume submit`` sends the task path resolved against the spec's folder (as
+    ``plan`` reads it), never left for the service's working directory at launch.
+    The CLI talks to this test's real app (TestClient) instead of over a socket."""
+    from typer.testing import CliRunner
+
+    import orchestrator.cli as cli
+
+    class AppClient:
+        def request(self, method: str, path: str, **kw: Any) -> Any:
+            kw.pop("retries", None)
+            r = client.request(method, path, **kw)
+            assert r.is_success, r.text
+            return r.json()
+
+    monkeypatch.setattr(cli, "Client", AppClient)
+    tasks = client.app.state.settings.effective_skypilot_yaml_dir
+    (tasks / "sub").mkdir(parents=True, exist_ok=True)
+    (tasks / "sub" / "train.yaml").write_text("resources:\n  accelerators: A100:8\nrun: echo\n")
+    spec = tasks / "job.yaml"
+    spec.write_text(
+        "name: rel\nnum_nodes: 1\ntask: {skypilot_yaml: sub/train.yaml}\n"
+        "checkpoint: {uri: 'file:///tmp/ckpt'}\n"
+    )
+    monkeypatch.chdir("/")  # the CLI's own working directory plays no part
+    r = CliRunner().invoke(cli.app, ["submit", str(spec), "-o", "json"])
+    assert r.exit_code == 0, r.output
+    job = client.get(f"/v1/jobs/{json.loads(r.stdout)['id']}").json()
+    assert job["spec"]["task"]["skypilot_yaml"] == str((tasks / "sub" / "train.yaml").resolve())
