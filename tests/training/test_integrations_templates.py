@@ -66,3 +66,13 @@ def test_a_job_spec_names_its_framework(framework):
 def test_plan_shows_the_knobs_in_the_frameworks_terms(framework, shown):
     knobs = SimpleNamespace(micro_batch=2, grad_accum=4, activation_checkpoint_every=1)
     assert _knobs(SimpleNamespace(knobs=knobs), framework) == shown
+
+
+@pytest.mark.parametrize("example", ["hf_trainer", "accelerate_loop", "lightning_fit"])
+def test_the_docs_show_each_tested_script_as_it_is_and_under_60_lines(example):
+    text = (REPO / "training" / "integrations" / "examples" / f"{example}.py").read_text()
+    blocks = re.findall(
+        r"```python\n(.*?)```", (REPO / "docs" / "integrations.md").read_text(), re.S
+    )
+    assert text in blocks  # the script the in-process tests run, verbatim
+    assert len(text.splitlines()) < 60

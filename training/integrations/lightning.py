@@ -73,10 +73,12 @@ class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
         yield from it
 
 
-def _grad_norm(module: Any) -> Any:
+def _grad_norm(params: list[Any]) -> Any:
+    """The global grad norm (after Lightning's clipping, which does not hand its own
+    over): NaN/Inf in any gradient makes it non-finite."""
     import torch
 
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    grads = [p.grad for p in params if p.grad is not None]
     return torch.nn.utils.get_total_norm(grads) if grads else None
 
 
@@ -90,6 +92,7 @@ class SkyresumeCallback(pl.Callback):
         self._rng: list[Any] | None = None
         self._step_at_batch_start = 0
         self._in_step = False
+        self._params: list[Any] = []
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         run = self.session.run
@@ -97,6 +100,7 @@ class SkyresumeCallback(pl.Callback):
             signal.signal(s, run._stop._handle)  # over Lightning's (see the module)
         if trainer.optimizers:
             run.optimizer = trainer.optimizers[0]
+        self._params = [p for p in pl_module.parameters() if p.requires_grad]
         self.session.confirm_resumed(int(trainer.global_step), self.resume)
         if self._rng is not None and self.resume is not None:
             from training.rng import restore_rng_state
@@ -122,7 +126,7 @@ class SkyresumeCallback(pl.Callback):
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         loss = self.loss if self.loss is not None else float("nan")
-        self.session.run.report(loss=loss, grad_norm=_grad_norm(pl_module))
+        self.session.run.report(loss=loss, grad_norm=_grad_norm(self._params))
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int

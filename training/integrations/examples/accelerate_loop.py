@@ -1,8 +1,4 @@
-"""An Accelerate training loop under skyresume (run it with torchrun or python).
-
-The skyresume lines: the import, ``AccelerateRun``, ``restore``/``steps``/``report``
-in place of the loop's own resume and step counting, and ``finish``.
-"""
+"""An Accelerate loop under skyresume: the lines marked ``# skyresume`` (torchrun or python)."""
 
 import argparse
 
@@ -23,15 +19,8 @@ def main() -> None:
     seedable = DataLoaderConfiguration(use_seedable_sampler=True)
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), dataloader_config=seedable)
     torch.manual_seed(0)
-    config = GPT2Config(
-        n_layer=2,
-        n_embd=64,
-        n_head=2,
-        n_positions=32,
-        vocab_size=128,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=32, vocab_size=128,
+                        bos_token_id=0, eos_token_id=0)  # fmt: skip
     model = GPT2LMHeadModel(config)
     ids = torch.randint(0, 128, (256, 16), generator=torch.Generator().manual_seed(1234))
     # A generator of its own: iter() draws no seed from the global RNG, which a resume restores.

@@ -1,9 +1,4 @@
-"""A Hugging Face Trainer script under skyresume (run it with torchrun or python).
-
-The only skyresume lines: the import of ``train`` and ``train(trainer)`` in place
-of ``trainer.train()``. The model is built from a config (random weights, nothing
-downloaded) and the data set is made here.
-"""
+"""A Trainer script under skyresume: two lines marked ``# skyresume`` (torchrun or python)."""
 
 import argparse
 
@@ -33,15 +28,8 @@ def main() -> None:
     p.add_argument("--grad-accum", type=int, default=1)
     a = p.parse_args()
     torch.manual_seed(0)
-    config = GPT2Config(
-        n_layer=2,
-        n_embd=64,
-        n_head=2,
-        n_positions=32,
-        vocab_size=128,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=32, vocab_size=128,
+                        bos_token_id=0, eos_token_id=0)  # fmt: skip
     model = GPT2LMHeadModel(config)
     args = TrainingArguments(
         output_dir=a.output_dir,

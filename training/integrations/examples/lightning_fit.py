@@ -1,8 +1,4 @@
-"""A Lightning script under skyresume (run it with torchrun or python).
-
-The skyresume lines: the import, ``ResumableDataLoader`` in place of ``DataLoader``
-and ``fit(trainer, ...)`` in place of ``trainer.fit(...)``.
-"""
+"""A Lightning script under skyresume: three lines marked ``# skyresume`` (torchrun or python)."""
 
 import argparse
 
