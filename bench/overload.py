@@ -217,7 +217,8 @@ def generator(
         counts = {"accepted": 0, "refused": 0, "errors": 0, "timeouts": 0}
         last_ok: dict[str, float] = {}
         end = t0 + cfg["duration"]
-        conn = aiohttp.TCPConnector(limit=0, force_close=True)  # urllib's: one per beat
+        # urllib's (the agent's): a connection per beat; --keep-alive: one per node.
+        conn = aiohttp.TCPConnector(limit=0, force_close=not cfg["keep_alive"])
         timeout = aiohttp.ClientTimeout(total=10.0)  # the agent's
         async with aiohttp.ClientSession(connector=conn) as http:
 
@@ -412,12 +413,14 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=75.0, help="seconds of load per run")
     p.add_argument("--kill-at", type=float, default=15.0, help="when one node stops beating")
     p.add_argument("--procs", type=int, default=2, help="generator processes")
+    p.add_argument("--keep-alive", action="store_true", help="one connection per node")
     args = p.parse_args()
     cfg = {
         "nodes": args.nodes,
         "duration": args.duration,
         "kill_at": args.kill_at,
         "procs": args.procs,
+        "keep_alive": args.keep_alive,
     }
     work = Path(tempfile.mkdtemp(prefix="skyresume-overload-"))
     runs = []
@@ -425,7 +428,7 @@ def main() -> None:
         quiet = one_run(None, mode, cfg, work)
         runs.append(quiet)
         print(json.dumps(quiet), flush=True)
-        for q in args.quotas.split(","):
+        for q in filter(None, args.quotas.split(",")):
             r = one_run(float(q), mode, cfg, work)
             base = quiet["detection_s"]
             r["detection_vs_quiet"] = (
