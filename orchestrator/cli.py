@@ -162,9 +162,18 @@ def submit(
             "reads it: its image, disk and ports), and submit nothing",
         ),
     ] = False,
+    env: Annotated[
+        list[str] | None,
+        typer.Option("--env", help="KEY=VALUE for task.envs (a SkyPilot YAML's empty envs)"),
+    ] = None,
+    secret: Annotated[
+        list[str] | None,
+        typer.Option("--secret", help="KEY=VALUE for task.secrets (never shown back)"),
+    ] = None,
 ) -> None:
     """Submit a job spec (validated here first, then by the service)."""
-    from orchestrator.domain.spec import SpecError, parse_job_spec_yaml
+    from orchestrator.commands.plan import parse_key_values
+    from orchestrator.domain.spec import SpecError, load_yaml_document, parse_job_spec_yaml
 
     try:
         text = file.read_bytes()
@@ -175,17 +184,19 @@ def submit(
     except SpecError as e:
         fail(f"{file}: invalid job spec: {e}", 2)
     yaml_path = spec.task.skypilot_yaml
-    if yaml_path and not Path(yaml_path).is_absolute():
-        # Resolved once, here, against the spec's folder (as `plan` reads it), never
-        # against the service's working directory at launch.
-        from orchestrator.domain.spec import load_yaml_document
-
+    envs, secrets = parse_key_values(env, "--env"), parse_key_values(secret, "--secret")
+    ctype = "application/yaml"
+    if (yaml_path and not Path(yaml_path).is_absolute()) or envs or secrets:
         doc = load_yaml_document(text)
-        doc["task"]["skypilot_yaml"] = str((file.parent / yaml_path).resolve())
+        if yaml_path and not Path(yaml_path).is_absolute():
+            # Resolved once, here, against the spec's folder (as `plan` reads it),
+            # never against the service's working directory at launch.
+            doc["task"]["skypilot_yaml"] = str((file.parent / yaml_path).resolve())
+        for key, given in (("envs", envs), ("secrets", secrets)):
+            if given:
+                doc["task"][key] = {**(doc["task"].get(key) or {}), **given}
         text = json.dumps(doc).encode()
         ctype = "application/json"
-    else:
-        ctype = "application/yaml"
     if dry_run:
         out = Client().request(
             "POST", "/v1/jobs/render", content=text, headers={"content-type": ctype}

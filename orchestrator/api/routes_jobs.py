@@ -26,6 +26,7 @@ from orchestrator.domain.spec import (
     MAX_SPEC_BYTES,
     JobSpec,
     SpecError,
+    TaskSpec,
     load_yaml_document,
     validate_job_spec,
 )
@@ -100,20 +101,24 @@ async def _read_spec(request: Request) -> JobSpec:
     if spec.task is not None and spec.task.skypilot_yaml:
         from starlette.concurrency import run_in_threadpool
 
-        await run_in_threadpool(_parse_task_file, spec.task.skypilot_yaml)  # imports sky
+        await run_in_threadpool(_parse_task_file, spec.task)  # imports sky
     return spec
 
 
-def _parse_task_file(path: str) -> None:
+def _parse_task_file(task: TaskSpec) -> None:
     """422 naming ``task.skypilot_yaml`` unless the file is there and SkyPilot's own
     parser takes it (``sky.Task.from_yaml_config`` and ``validate``): a task SkyPilot
     rejects is never stored, so nothing of it is ever launched (#26 defect 10)."""
     from orchestrator.launchers.base import LaunchError
     from orchestrator.launchers.skypilot import load_task_config, task_from_config
 
+    path = str(task.skypilot_yaml)
     what = f"SkyPilot task {path[:200]}"
     try:
-        task_from_config(load_task_config(Path(path), what="SkyPilot task"), what=what)
+        config = load_task_config(Path(path), what="SkyPilot task")
+        if task.envs:  # the spec's envs fill the YAML's empty ones, as at launch
+            config["envs"] = {**(config.get("envs") or {}), **task.envs}
+        task_from_config(config, what=what, secrets=dict(task.secrets) or None)
     except LaunchError as e:
         raise _spec_error(SpecError([("task.skypilot_yaml", str(e)[:500])])) from None
 

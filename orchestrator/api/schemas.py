@@ -19,6 +19,7 @@ from pydantic import (
     ConfigDict,
     Field,
     Strict,
+    field_validator,
     model_validator,
 )
 
@@ -91,6 +92,15 @@ class JobOut(BaseModel):
     created_at: UtcDatetime
     updated_at: UtcDatetime
     spec: dict[str, Any]
+
+    @field_validator("spec")
+    @classmethod
+    def _no_secret_values(cls, v: dict[str, Any]) -> dict[str, Any]:
+        """A job's ``task.secrets`` never leave the service: names only."""
+        task = v.get("task")
+        if isinstance(task, dict) and task.get("secrets"):
+            v = {**v, "task": {**task, "secrets": {k: "<redacted>" for k in task["secrets"]}}}
+        return v
 
 
 class JobDetail(JobOut):

@@ -133,6 +133,7 @@ def _no_parent_segments(path: str, what: str) -> None:
 
 
 #: A template is a file name in ``task_templates/`` (without ``.yaml``), never a path.
+_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _TEMPLATE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]*(\.[A-Za-z0-9_\-]+)*$")
 
 
@@ -149,6 +150,12 @@ class TaskSpec(_Strict):
     skypilot_yaml: str | None = None
     command: str | None = None
     """The training command, run by the node agent under torchrun."""
+    envs: dict[str, str] = Field(default_factory=dict, max_length=256)
+    """The task's ``envs`` as SkyPilot takes them (``--env KEY=VALUE``): they fill a
+    SkyPilot YAML's empty ones and override the rest."""
+    secrets: dict[str, str] = Field(default_factory=dict, max_length=256)
+    """As SkyPilot's ``secrets:`` (``--secret KEY=VALUE``): passed to the task as
+    SkyPilot passes secrets, shown as ``<redacted>`` in every API answer."""
     framework: Literal["skyresume", "hf", "accelerate", "lightning", "plain"] = "skyresume"
     """``skyresume``: the script uses ``training.Run`` (it reports what it resumed from
     and its steps, saves on SIGTERM and exits 75). ``hf``, ``accelerate``,
@@ -169,6 +176,14 @@ class TaskSpec(_Strict):
                 f"{v[:80]!r} is not a template name: use the name of a file in "
                 "task_templates/ without .yaml (letters, digits, '-', '_', '.'; no path)"
             )
+        return v
+
+    @field_validator("envs", "secrets")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        for k in v:
+            if not _ENV_KEY.match(k):
+                raise ValueError(f"{k[:80]!r} is not an env name (letters, digits, '_')")
         return v
 
     @field_validator("skypilot_yaml")

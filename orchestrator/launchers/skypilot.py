@@ -406,6 +406,7 @@ def user_yaml_config(
     *,
     package: str = "skyresume",
     templates_dir: Path = TEMPLATES_DIR,
+    envs: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """A user's own SkyPilot task config, kept as written (name, setup, envs,
     file_mounts, workdir, resources), with its ``run`` handed to the agent as the
@@ -416,6 +417,7 @@ def user_yaml_config(
     The user's run script runs under the agent as ``bash -c '<run>'`` on every node,
     with the SKYPILOT_* variables it reads still set."""
     what = f"SkyPilot task {path}"
+    envs_given = envs
     user = load_task_config(Path(path), what=what)
     run = user.get("run")
     if not isinstance(run, str) or not run.strip():
@@ -425,6 +427,7 @@ def user_yaml_config(
     config["name"] = task_name_for(request)
     envs = {str(k): "" if v is None else str(v) for k, v in (node.get("envs") or {}).items()}
     envs.update({str(k): "" if v is None else str(v) for k, v in (user.get("envs") or {}).items()})
+    envs.update(envs_given or {})  # the job spec's task.envs (--env) win over the YAML's
     envs.update(run_envs(request, command=f"bash -c {shlex.quote(run)}", package=package))
     config["envs"] = envs
     user_setup = user.get("setup") or ""
@@ -464,16 +467,22 @@ def build_task_from_user_yaml(
     templates_dir: Path = TEMPLATES_DIR,
     image_id: str | None = None,
     require_image: bool = False,
+    envs: dict[str, str] | None = None,
+    secrets: dict[str, str] | None = None,
 ) -> Any:
     """A user's own SkyPilot task (:func:`user_yaml_config`) as a ``sky.Task`` pinned
     to the planner's choice (which came from those same resources), the chosen
     option's own fields kept; SkyPilot refuses what it refuses in the YAML as written."""
     what = f"SkyPilot task {path}"
-    task_from_config(load_task_config(Path(path), what=what), what=what)
-    config = user_yaml_config(path, request, package=package, templates_dir=templates_dir)
+    given = load_task_config(Path(path), what=what)
+    if envs:
+        given["envs"] = {**(given.get("envs") or {}), **envs}
+    task_from_config(given, what=what, secrets=secrets)
+    config = user_yaml_config(path, request, package=package, templates_dir=templates_dir,
+                              envs=envs)  # fmt: skip
     config = _pin(config, request, what, image_id=image_id, require_image=require_image)
-    secrets = {"SKYRESUME_AGENT_TOKEN": token} if token else None
-    task = task_from_config(config, what=what, secrets=secrets)
+    all_secrets = {**(secrets or {}), **({"SKYRESUME_AGENT_TOKEN": token} if token else {})}
+    task = task_from_config(config, what=what, secrets=all_secrets or None)
     return _validate_pinned(task, request, what)
 
 
@@ -899,6 +908,8 @@ class SkyPilotLauncher:
                 templates_dir=self.templates_dir,
                 image_id=self.image_id,
                 require_image=True,
+                envs=dict(getattr(task, "envs", None) or {}),
+                secrets=dict(getattr(task, "secrets", None) or {}),
             )
         template = (task.template if task is not None else None) or self.template
         return build_task(
@@ -925,14 +936,16 @@ class SkyPilotLauncher:
         token = self.token_for(request.job_id, request.attempt)
         if task is not None and task.skypilot_yaml:
             config = user_yaml_config(
-                task.skypilot_yaml, request, package=self.package, templates_dir=self.templates_dir
-            )
+                task.skypilot_yaml, request, package=self.package,
+                templates_dir=self.templates_dir, envs=dict(getattr(task, "envs", None) or {}),
+            )  # fmt: skip
         else:
             template = (task.template if task is not None else None) or self.template
             config = template_config(
                 request, template=template, templates_dir=self.templates_dir, package=self.package
             )
         secrets = {str(k): str(v) for k, v in (config.pop("secrets", None) or {}).items()}
+        secrets.update(getattr(task, "secrets", None) or {})
         if token:
             secrets["SKYRESUME_AGENT_TOKEN"] = token
         return config, secrets

@@ -74,3 +74,26 @@ def test_submit_resolves_a_relative_task_path_against_the_spec_once(sky, client,
     assert r.exit_code == 0, r.output
     job = client.get(f"/v1/jobs/{json.loads(r.stdout)['id']}").json()
     assert job["spec"]["task"]["skypilot_yaml"] == str((tasks / "sub" / "train.yaml").resolve())
+
+
+def test_envs_fill_the_yamls_empty_ones_and_secrets_never_come_back(sky, client):
+    tasks = client.app.state.settings.effective_skypilot_yaml_dir
+    tasks.mkdir(parents=True, exist_ok=True)
+    path = tasks / "hf.yaml"
+    path.write_text("envs:\n  HF_TOKEN:\nresources:\n  accelerators: A100:8\nrun: echo\n")
+    assert _post(client, str(path)).status_code == 422  # SkyPilot: HF_TOKEN is None
+    doc = job_spec(
+        task={"skypilot_yaml": str(path), "envs": {"HF_TOKEN": "hf_x"},
+              "secrets": {"WANDB_API_KEY": "s3cr3t-value"}},
+    )  # fmt: skip
+    r = client.post("/v1/jobs", json=doc)
+    assert r.status_code == 201, r.text
+    assert "s3cr3t-value" not in r.text
+    job_id = r.json()["id"]
+    for answer in (client.get(f"/v1/jobs/{job_id}"), client.get("/v1/jobs")):
+        assert answer.is_success and "s3cr3t-value" not in answer.text
+    shown = client.get(f"/v1/jobs/{job_id}").json()["spec"]["task"]
+    assert shown["secrets"] == {"WANDB_API_KEY": "<redacted>"}
+    assert shown["envs"] == {"HF_TOKEN": "hf_x"}
+    bad = job_spec(task={"skypilot_yaml": str(path), "envs": {"not a name": "x"}})
+    assert client.post("/v1/jobs", json=bad).status_code == 422

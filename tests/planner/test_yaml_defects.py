@@ -175,3 +175,21 @@ def test_a_job_group_and_unsupported_fields_get_one_line_each(sky, tmp_path):
     code, doc, err = plan(write(tmp_path, text, "r.yaml"))
     assert code == 0, err
     assert any(n.startswith("resources.job_recovery:") for n in doc["notes"])
+
+
+def test_the_launch_task_gets_the_specs_envs_and_secrets_and_shows_no_secret(sky, tmp_path):
+    from orchestrator.domain.plan import Placement
+    from orchestrator.launchers.base import LaunchRequest
+    from orchestrator.launchers.skypilot import build_task_from_user_yaml, task_yaml
+
+    path = write(tmp_path, "envs:\n  HF_TOKEN:\nsecrets:\n  WANDB_API_KEY:\nrun: python t.py\n")
+    placement = Placement("gcp", "us-central1", "a2-highgpu-8g", "A100", 8, 1, True)
+    request = LaunchRequest(job_id="j-1", attempt=1, placement=placement, command="")
+    task = build_task_from_user_yaml(
+        path, request, envs={"HF_TOKEN": "hf_x"}, secrets={"WANDB_API_KEY": "s3cr3t-value"}
+    )
+    assert task.envs["HF_TOKEN"] == "hf_x"
+    secret = task.secrets["WANDB_API_KEY"]
+    assert getattr(secret, "get_secret_value", lambda: secret)() == "s3cr3t-value"
+    shown = task_yaml(task)
+    assert "s3cr3t-value" not in shown and "hf_x" in shown
