@@ -32,11 +32,14 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -153,9 +156,22 @@ def one_grouping(home: Path, grouping: str, steps: int) -> dict[str, Any]:
         env["SKYRESUME_SKYPILOT_YAML_DIR"] = str(home)  # where SkyLoop writes the task
         return env
 
-    skyconf.sky_env = sky_env  # type: ignore[assignment]
+    skyconf.sky_env = sky_env
     out: dict[str, Any] = {"grouping": grouping}
     loop = SkyLoop(home, log=log)
+    plain_get = loop.get
+
+    def get(path: str) -> Any:
+        # The service answers slowly when the machine is loaded (its SQLite is held
+        # while the reconciler calls SkyPilot): a read that timed out is read again.
+        for _ in range(10):
+            try:
+                return plain_get(path)
+            except httpx.TimeoutException:
+                log(f"GET {path} timed out; again")
+        return plain_get(path)
+
+    loop.get = get  # type: ignore[method-assign]
     try:
         t0 = time.monotonic()
         job = loop.submit(steps)
@@ -227,6 +243,10 @@ def main() -> int:
     if os.geteuid() != 0:
         print("the emulated AWS's hosts need root", file=sys.stderr)
         return 1
+    # Stoppable however it was started (a background job ignores SIGINT): either
+    # signal unwinds through SkyLoop.close(), which gives every instance back.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     home = args.home or Path(tempfile.mkdtemp(prefix="skyresume-grouping-"))
     res: dict[str, Any] = {}
     for grouping in ("attempt", "node"):
