@@ -144,7 +144,10 @@ class SkyLoop:
         raise LoopError(f"the service did not become ready in {timeout_s:.0f} s")
 
     def submit(self, steps: int) -> str:
-        path = self.home / "task.yaml"
+        # Where the service reads task files from (SKYRESUME_SKYPILOT_YAML_DIR, unset:
+        # <SKYRESUME_HOME>/tasks); a file elsewhere is refused (422).
+        path = self.home / "service" / "tasks" / "task.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(task_yaml(s3_endpoint=self.s3.endpoint_url, keys=self.keys,
                                   steps=steps))  # fmt: skip
         r = self.http.post("/v1/jobs", json=job_spec(path, self.checkpoint_uri))
