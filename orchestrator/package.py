@@ -190,6 +190,9 @@ class WheelCache:
         self._wheel: AgentWheel | None = None
         self._failed: PackageUnavailable | None = None
         self._started = False
+        self._background = False
+        """Built by :meth:`start`: at a lower CPU priority, so the service's own start
+        and first answers do not wait behind ``pip wheel``."""
         self._done = threading.Event()
 
     def start(self) -> None:
@@ -199,6 +202,7 @@ class WheelCache:
             if self._started:
                 return
             self._started = True
+            self._background = True
         threading.Thread(target=self._build_quietly, name="agent-wheel", daemon=True).start()
 
     def _build_quietly(self) -> None:
@@ -256,7 +260,9 @@ class WheelCache:
                 shutil.copy2(root / rel, dest)
             (src / "orchestrator" / BUILD_ID_FILE).write_text(digest + "\n")
             dist = Path(tmp) / "dist"
-            cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(dist)]
+            nice = ["nice", "-n", "10"] if self._background and shutil.which("nice") else []
+            cmd = [*nice, sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w",
+                   str(dist)]  # fmt: skip
             if importlib.util.find_spec("hatchling") is not None:
                 cmd.append("--no-build-isolation")  # offline: the backend is already here
             cmd.append(str(src))
