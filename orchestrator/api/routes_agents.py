@@ -121,7 +121,7 @@ async def require_job_access(
         if token_matches(token, job_token(secret, job_id, attempt)):
             return  # the attempt's token: the service's own, never handed to a node
         raise unauthorized(
-            f"this agent token is not for node {node_id} of attempt {attempt} of job {job_id}"
+            f"this agent token is not for attempt {attempt} of job {job_id}, node {node_id}"
         )
     principal = await anyio.to_thread.run_sync(operator_principal, request, token)
     if principal is None:

@@ -17,7 +17,7 @@ from sqlalchemy import func, select
 from test_agent_api import AGENT
 from testkit import job_spec
 
-from orchestrator.api.auth import job_token
+from orchestrator.api.auth import node_token
 from orchestrator.store.models import AgentEnrolment
 from orchestrator.store.tokens import enrolment_token
 
@@ -53,7 +53,8 @@ def test_the_first_register_exchanges_the_enrolment_for_the_attempts_agent_token
     r = enrol(client, job, mint(client, job))
     assert r.status_code == 200, r.text
     issued = r.json()["agent_token"]
-    assert issued == job_token(client.app.state.token, job, 1)
+    # A token for this node's own routes (a node reports only as itself, #24).
+    assert issued == node_token(client.app.state.token, job, 1, f"{job}-a1-n0")
     beat = client.post(
         node(job) + "/heartbeat",
         json={"state": "running"},

@@ -149,7 +149,7 @@ def test_token_management_answers_409_404_and_422(client):
     bad_role = client.post("/v1/tokens", json={"name": "x", "role": "root"})
     assert bad_role.status_code == 422
     bad_name = client.post("/v1/tokens", json={"name": "a b", "role": "viewer"})
-    assert bad_name.status_code == 422 and "token name" in bad_name.json()["detail"]
+    assert bad_name.status_code == 422 and "token name" in bad_name.json()["detail"][0]["msg"]
     by_id = client.get("/v1/tokens").json()["items"][0]["id"]
     assert client.post(f"/v1/tokens/{by_id}/revoke").status_code == 200
     assert client.get("/v1/tokens").json()["items"] == []
