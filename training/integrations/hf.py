@@ -166,6 +166,25 @@ def _take_over_saving(trainer: Any) -> None:
     args.save_total_limit = None
 
 
+def _restore_cpu_rank_storages() -> None:
+    """On CPU, a multi-process Trainer's optimizer tensors live on ``cpu:<rank>`` and
+    ``torch.save`` tags their storages so; ``torch.load`` knows how to restore only
+    ``cpu``, so Trainer's own resume fails ("don't know how to restore data location
+    of torch.storage.UntypedStorage (tagged with cpu:0)"). Found on 2 x 2 gloo ranks;
+    GPU runs (``cuda:<n>``) never meet it. Those storages are in host memory already."""
+    import torch.serialization as ser
+
+    def tagger(obj: Any) -> str | None:
+        return None  # saving is left to torch's own taggers
+
+    def deserializer(obj: Any, location: str) -> Any:
+        return obj if location.startswith("cpu:") else None
+
+    if not getattr(ser, "_skyresume_cpu_ranks", False):
+        ser.register_package(5, tagger, deserializer)
+        ser._skyresume_cpu_ranks = True  # type: ignore[attr-defined]
+
+
 def train(trainer: Any, **train_kwargs: Any) -> Any:
     """``trainer.train()`` under skyresume (see the module). Returns what it returns;
     a stop exits 75, a NaN 76, an unusable or disputed checkpoint 78/77 (RunExit,
@@ -176,6 +195,8 @@ def train(trainer: Any, **train_kwargs: Any) -> Any:
     apply_knobs(trainer, session)
     _take_over_saving(trainer)
     resume = session.restore()
+    if resume is not None and session.distributed:
+        _restore_cpu_rank_storages()
     callback = SkyresumeCallback(session, resume)
     trainer.add_callback(callback)
     _instrument(trainer, callback)
