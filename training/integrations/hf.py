@@ -167,11 +167,11 @@ def _take_over_saving(trainer: Any) -> None:
 
 
 def _restore_cpu_rank_storages() -> None:
-    """On CPU, a multi-process Trainer's optimizer tensors live on ``cpu:<rank>`` and
-    ``torch.save`` tags their storages so; ``torch.load`` knows how to restore only
-    ``cpu``, so Trainer's own resume fails ("don't know how to restore data location
-    of torch.storage.UntypedStorage (tagged with cpu:0)"). Found on 2 x 2 gloo ranks;
-    GPU runs (``cuda:<n>``) never meet it. Those storages are in host memory already."""
+    """On CPU, a multi-process Trainer loads its optimizer file with ``map_location=
+    args.device``, which is ``cpu:<local rank>``; ``torch.load`` restores only ``cpu``,
+    so Trainer's own resume fails ("don't know how to restore data location of
+    torch.storage.UntypedStorage (tagged with cpu:0)"). Found on 2 x 2 gloo ranks; GPU
+    runs (``cuda:<n>``) never meet it. Such storages are in host memory already."""
     import torch.serialization as ser
 
     def tagger(obj: Any) -> str | None:
