@@ -1127,7 +1127,7 @@ class SkyPilotLauncher:
             records = _bounded(self.submit_timeout_s, "sky.get", sky.get, rid)
         except Exception as e:
             if _is_transport_error(e):  # unanswered: not a refusal (as _record)
-                raise SubmitUncertain(f"{what}: sky.status: {_first_line(e)}; asking again") from None  # noqa: E501
+                raise SubmitUncertain(f"{what}: sky.status: {_first_line(e)} (nothing submitted)") from None  # noqa: E501
             raise LaunchError(f"{what}: sky.status: {_first_line(e)}") from None
         found = [r for r in records or [] if _field(r, "name") == cluster]
         with self._lock:  # the shared records learn what the cloud said, too
@@ -1144,7 +1144,7 @@ class SkyPilotLauncher:
         the same try asks again (an unanswered read is not a refused verb)."""
         records, error = self._cluster_records()
         if records is None:
-            raise SubmitUncertain(f"{what}: sky.status: {error}; asking again")
+            raise SubmitUncertain(f"{what}: sky.status: {error} (nothing submitted)")
         return records.get(cluster)
 
     def _cancel_jobs(self, cluster: str, what: str, refusal: type[LaunchError]) -> None:
