@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,15 @@ def _weights(framework: str, out: Path) -> dict[str, Any]:
     return load_file(str(out / "final" / "model.safetensors"))
 
 
+def _until_exit(listener: Listener, code: int, n: int) -> None:
+    """Until the ``n``-th ``exit`` datagram with ``code`` is in (the last a run sends):
+    the listener reads on a thread of its own, behind the run."""
+    deadline = time.monotonic() + 10
+    while sum(1 for d in list(listener.got) if d["type"] == "exit" and d["code"] == code) < n:
+        assert time.monotonic() < deadline, f"no exit {code} datagram"
+        time.sleep(0.01)
+
+
 def _sigterm_at(listener: Listener, step: int) -> None:
     """SIGTERM this process once a progress datagram says ``step`` steps are done."""
 
@@ -100,6 +110,7 @@ def test_sigterm_saves_the_frameworks_checkpoint_and_resumes_bitwise(
     with pytest.raises(RunExit) as exc:
         _run_example(example, tmp_path / "run", env, monkeypatch)
     assert exc.value.exit_code is ExitCode.PREEMPTED_SAVED
+    _until_exit(listener, int(ExitCode.PREEMPTED_SAVED), 1)
     last_done = max(d["step"] for d in listener.of("progress"))
     saved = max(d["step"] for d in listener.of("checkpoint"))
     assert saved == last_done, "the notice lost a step"
@@ -109,6 +120,7 @@ def test_sigterm_saves_the_frameworks_checkpoint_and_resumes_bitwise(
     assert not [p for p in ckpt.iterdir() if p.name.startswith(".saving-")]
 
     _run_example(example, tmp_path / "run", env, monkeypatch)
+    _until_exit(listener, int(ExitCode.OK), 1)
     got = listener.close()
     assert [d["step"] for d in got if d["type"] == "resumed"] == [0, saved]
     steps = [d["step"] for d in got if d["type"] == "progress"]
