@@ -1114,8 +1114,7 @@ class SkyPilotLauncher:
     def _refreshed_record(self, cluster: str, what: str) -> Any:
         """The cluster's record after SkyPilot asked the cloud
         (``refresh=StatusRefreshMode.FORCE``); None when it lists no such cluster.
-        SubmitUncertain when SkyPilot did not answer (asked again), LaunchError when
-        it answered with an error."""
+        LaunchError when it could not be read."""
         from sky.utils.common import StatusRefreshMode
 
         sky = self.sdk
@@ -1126,8 +1125,9 @@ class SkyPilotLauncher:
             )  # fmt: skip
             records = _bounded(self.submit_timeout_s, "sky.get", sky.get, rid)
         except Exception as e:
-            if _is_transport_error(e):  # unanswered: not a refusal (as _record)
-                raise SubmitUncertain(f"{what}: sky.status: {_first_line(e)} (nothing submitted)") from None  # noqa: E501
+            # Not SubmitUncertain (asked again) as _record's: this read is bounded by
+            # submit_timeout_s and runs inside the reconciler's transaction, so asking
+            # again every tick held SQLite's write lock 30 s a tick (the API timed out).
             raise LaunchError(f"{what}: sky.status: {_first_line(e)}") from None
         found = [r for r in records or [] if _field(r, "name") == cluster]
         with self._lock:  # the shared records learn what the cloud said, too
