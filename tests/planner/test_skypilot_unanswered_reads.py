@@ -52,8 +52,12 @@ def request() -> LaunchRequest:
     return LaunchRequest(job_id="j-7", attempt=2, placement=A2, command="python train.py")
 
 
-@pytest.mark.parametrize("unanswered", ["status", "cancel"])
-@pytest.mark.parametrize("verb", ["restart", "refill"])
+# A refill's forced refresh (bounded by submit_timeout_s, 30 s, inside the reconciler's
+# transaction) stays a LaunchError: asked again every tick, it held SQLite's write lock
+# 30 s a tick on the emulated AWS and the API timed out. Its cancel is asked again.
+@pytest.mark.parametrize(
+    "verb, unanswered", [("restart", "status"), ("restart", "cancel"), ("refill", "cancel")]
+)
 def test_an_unanswered_read_is_asked_again_and_the_same_try_then_submitted(
     fake: Unanswered, verb: str, unanswered: str
 ) -> None:
