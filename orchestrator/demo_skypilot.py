@@ -156,7 +156,19 @@ class SkyLoop:
         return str(r.json()["id"])
 
     def get(self, path: str) -> Any:
-        r = self.http.get(path)
+        import httpx
+
+        # A read the service could not answer in 30 s (on SQLite the reconciler's
+        # transaction holds the write lock while a SkyPilot call is bounded at 30 s)
+        # is asked again a few times: the loop watches, it must not end on one stall.
+        for left in range(3, -1, -1):
+            try:
+                r = self.http.get(path)
+                break
+            except httpx.TimeoutException:
+                if not left:
+                    raise LoopError(f"GET {path}: the service did not answer in 4 tries") from None
+                self.log(f"  GET {path} timed out; asking again")
         if r.status_code >= 400:
             raise LoopError(f"GET {path}: HTTP {r.status_code}: {r.text[:300]}")
         return r.json()
