@@ -322,10 +322,13 @@ class SkyPilotNodeLauncher(SkyPilotLauncher):
                     continue
             one = LaunchHandle(cluster, self.name, (node,), request_id=rid)
             p = SkyPilotLauncher.progress(self, one)
-            if p.phase is LaunchPhase.UP:
-                # The internal IP: peers reach each other inside the VPC.
+            if p.phase is LaunchPhase.UP or rid in self._results:
+                # The internal IP: peers reach each other inside the VPC. Known once the
+                # launch request succeeded, whatever its job's status read says (a
+                # slow API server answers job_status late: the peers need not wait).
                 ip = self._master_of(rid, p)
-                p = replace(p, hosts=(ip,) if ip else p.hosts[:1])
+                if p.phase is LaunchPhase.UP:
+                    p = replace(p, hosts=(ip,) if ip else p.hosts[:1])
                 if i == 0:
                     master = ip
             views.append(p)

@@ -165,3 +165,16 @@ def test_every_sdk_call_is_counted_into_the_call_log(fake, tmp_path: Path):
     assert calls == counted.counts
     assert calls["sky.launch"] == 1 and calls["sky.api_info"] == 1
     assert sum(calls.values()) == len(fake.calls)
+
+
+def test_the_peers_go_out_once_node_0s_request_succeeded_even_if_its_job_is_not_read(nodes, fake):
+    """Found on the emulated AWS under load: node 0's agent ran, but job_status did not
+    answer within its bound, so its peer was never submitted. The address is in the
+    launch's result; the job's status is not needed for it."""
+    handle = nodes.launch(request())
+    ((_, _, rid0), _) = decode(handle)
+    fake.clusters[N0] = "UP"  # no job status: job_status answers None for job 1
+    fake.finish(rid0, (1, _Zoned([("10.0.0.5", None)], "us-central1-a")))
+    assert nodes.progress(handle).phase is not LaunchPhase.UP
+    assert [kw["cluster_name"] for _, kw in fake.submitted("launch")] == [N0, N1]
+    assert envs_of(fake, N1)[Env.MASTER_ADDR] == "10.0.0.5"
