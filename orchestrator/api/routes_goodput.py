@@ -12,10 +12,13 @@ from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer
 
 from orchestrator.api.deps import OperatorDep, SessionDep
+from orchestrator.api.strict import StrictQueryRoute
 from orchestrator.store import repo
 from orchestrator.store.goodput import InconsistentHistory, job_goodput
 
-router = APIRouter(prefix="/v1", dependencies=[OperatorDep], tags=["goodput"])
+router = APIRouter(
+    prefix="/v1", dependencies=[OperatorDep], tags=["goodput"], route_class=StrictQueryRoute
+)
 
 # Rounded on the wire: milliseconds, cents; "119.69999999999999 s" helps nobody.
 Seconds = Annotated[float, PlainSerializer(lambda x: round(x, 3), return_type=float)]

@@ -22,6 +22,7 @@ from orchestrator.api.schemas import (
     JobOut,
     JobPage,
 )
+from orchestrator.api.strict import StrictQueryRoute
 from orchestrator.domain.spec import (
     MAX_SPEC_BYTES,
     JobSpec,
@@ -34,7 +35,7 @@ from orchestrator.domain.status import IllegalTransition, JobStatus
 from orchestrator.settings import Settings
 from orchestrator.store import repo, submissions
 
-router = APIRouter(prefix="/v1", dependencies=[OperatorDep])
+router = APIRouter(prefix="/v1", dependencies=[OperatorDep], route_class=StrictQueryRoute)
 
 
 def _spec_error(e: SpecError) -> HTTPException:
@@ -226,7 +227,17 @@ def list_events(
     return EventPage(items=items, next_cursor=items[-1].id if items else after)
 
 
-@router.post("/jobs/{job_id}/events", response_model=EventOut, status_code=201)
+@router.post(
+    "/jobs/{job_id}/events",
+    response_model=EventOut,
+    status_code=201,
+    responses={
+        200: {
+            "model": EventOut,
+            "description": "The idempotency key was recorded before: the stored event",
+        }
+    },
+)
 def post_event(job_id: str, body: EventIn, session: SessionDep, response: Response) -> EventOut:
     """Record an event. Re-posting an idempotency key returns the stored event with 200."""
     _job_or_404(session, job_id)

@@ -15,11 +15,13 @@ from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi import Path as PathParam
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import select
 
 from orchestrator.api.deps import OperatorDep, SessionDep
 from orchestrator.api.routes_agents import AttemptPath, NodePath, require_job_access
+from orchestrator.api.strict import StrictQueryRoute
 from orchestrator.contract import CommandType
 from orchestrator.store import agents, node_logs, repo
 from orchestrator.store.live_view import job_live
@@ -31,7 +33,9 @@ agent_router = APIRouter(
     tags=["agents"],
     dependencies=[Depends(require_job_access)],
 )
-router = APIRouter(prefix="/v1", tags=["operator"], dependencies=[OperatorDep])
+router = APIRouter(
+    prefix="/v1", tags=["operator"], dependencies=[OperatorDep], route_class=StrictQueryRoute
+)
 
 
 class LogTail(BaseModel):
@@ -150,11 +154,15 @@ def series(job_id: str, session: SessionDep) -> dict[str, Any]:
 
 class WebhookIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    url: str = Field(min_length=8, max_length=2000, pattern=r"^https?://")
-    job_id: str | None = Field(default=None, max_length=32)
+    url: str = Field(min_length=8, max_length=2000, pattern=r"^https?://[^\x00-\x20\x7f]+$")
+    """No spaces or control characters (a NUL cannot be stored in PostgreSQL's text)."""
+    job_id: str | None = Field(default=None, max_length=32, pattern=r"^[A-Za-z0-9_-]+$")
     """None: every job's alerts."""
-    secret: str | None = Field(default=None, min_length=16, max_length=256)
-    """The HMAC key; None: the service makes one and returns it, once."""
+    secret: str | None = Field(
+        default=None, min_length=16, max_length=256, pattern=r"^[\x21-\x7e]+$"
+    )
+    """The HMAC key, printable ASCII without spaces; None: the service makes one and
+    returns it, once."""
 
 
 @router.post("/alerts/webhooks", status_code=201)
@@ -180,7 +188,9 @@ def list_webhooks(session: SessionDep) -> dict[str, Any]:
 
 
 @router.delete("/alerts/webhooks/{ref}")
-def delete_webhook(ref: int, session: SessionDep) -> dict[str, Any]:
+def delete_webhook(
+    ref: Annotated[int, PathParam(ge=1, le=2**63 - 1)], session: SessionDep
+) -> dict[str, Any]:
     """``ref``: the webhook's id (the path segment is named as the tokens routes name
     theirs)."""
     w = session.get(AlertWebhook, ref)

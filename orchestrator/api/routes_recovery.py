@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sqlalchemy import select
 
 from orchestrator.api.deps import OperatorDep, SessionDep
+from orchestrator.api.strict import StrictQueryRoute
 from orchestrator.contract import AttemptState, CommandType, FaultKind
 from orchestrator.domain.spec import INT32_MAX, refuse_unstorable
 from orchestrator.domain.status import JobStatus
@@ -19,7 +20,7 @@ from orchestrator.store import records, repo
 from orchestrator.store.incidents import incidents
 from orchestrator.store.models import Attempt, Node, NodeCommand
 
-router = APIRouter(prefix="/v1", dependencies=[OperatorDep])
+router = APIRouter(prefix="/v1", dependencies=[OperatorDep], route_class=StrictQueryRoute)
 
 
 def _job(session: SessionDep, job_id: str):  # type: ignore[no-untyped-def]

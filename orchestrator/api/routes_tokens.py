@@ -15,12 +15,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.api.deps import AdminDep, OperatorDep, PrincipalDep, SessionDep
 from orchestrator.api.schemas import UtcDatetime
+from orchestrator.api.strict import StrictQueryRoute
 from orchestrator.domain.roles import Role
 from orchestrator.store import tokens
 from orchestrator.store.repo import NotFound
 
-admin = APIRouter(prefix="/v1", dependencies=[AdminDep], tags=["tokens"])
-anyone = APIRouter(prefix="/v1", dependencies=[OperatorDep], tags=["tokens"])
+admin = APIRouter(
+    prefix="/v1", dependencies=[AdminDep], tags=["tokens"], route_class=StrictQueryRoute
+)
+anyone = APIRouter(
+    prefix="/v1", dependencies=[OperatorDep], tags=["tokens"], route_class=StrictQueryRoute
+)
 
 
 class TokenIn(BaseModel):
