@@ -30,6 +30,14 @@ SKIPPED = (
     oa_checks.positive_data_acceptance,
 )
 
+#: Skipped in the stateful run only: it sends every call with the operator token in
+#: place of the headers the case generated, so a case made "invalid" by a missing
+#: Authorization header is no longer what reaches the service (seen: ``GET /v1/jobs
+#: ?limit=1`` with the token, answered 200, reported as an invalid request accepted).
+#: The per-operation run keeps this check: it sends each case as generated, with the
+#: token and without.
+STATEFUL_SKIPPED = (*SKIPPED, oa_checks.negative_data_rejection)
+
 #: Routes not fuzzed: the agent package builds a wheel on its first request (seconds
 #: of CPU, past the client's timeout under load) and takes no input but a file name,
 #: compared, never joined (tests/api/test_agent_package.py).
@@ -122,7 +130,7 @@ def stateful(app: Any, scenarios: int, steps: int) -> tuple[int, list[str]]:
         def validate_response(self, response: Any, case: Any, **kw: Any) -> None:
             calls[0] += 1
             try:
-                case.validate_response(response, excluded_checks=list(SKIPPED),
+                case.validate_response(response, excluded_checks=list(STATEFUL_SKIPPED),
                                        transport_kwargs=kw.get("transport_kwargs"))  # fmt: skip
             except (Exception, BaseExceptionGroup) as e:
                 failures.append(f"{case.operation.label}: {str(e)[:600]}")
