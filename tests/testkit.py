@@ -7,8 +7,10 @@ import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from orchestrator.domain.planner import Candidate
 from orchestrator.domain.reconcile import LauncherAbilities
@@ -205,3 +207,27 @@ def served(app, settings, **config):  # type: ignore[no-untyped-def]
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+def module_client(request: Any, tmp_path_factory: Any, name: str) -> Iterator[Any]:
+    """An operator's TestClient on one app per database for a whole module (a module
+    fixture parametrized sqlite/postgres calls it): a migrated database per test costs
+    more than most claims, so such a module's tests make their own jobs."""
+    from fastapi.testclient import TestClient
+
+    from orchestrator.api.app import create_app
+    from orchestrator.settings import Settings
+    from orchestrator.store import db
+
+    home = tmp_path_factory.mktemp(name)
+    if request.param == "sqlite":
+        url = f"sqlite:///{home / 'test.db'}"
+    else:
+        url = request.getfixturevalue("postgres_server_url")
+        reset_postgres(url)
+    db.upgrade(url)
+    app = create_app(Settings(home=home / "home", database_url=url))
+    with TestClient(app) as c:
+        c.headers["Authorization"] = f"Bearer {app.state.token}"
+        yield c
+    app.state.engine.dispose()

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from testkit import job_spec, job_with_running_attempt
+from testkit import job_spec, job_with_running_attempt, module_client
 
 from orchestrator import __version__
 from orchestrator.api.auth import job_token, node_token
@@ -23,25 +23,7 @@ AGENT = {"node_rank": 0, "ranks": [], "agent_version": __version__, "protocol": 
 def client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """One app per database for the module (a migrated database per test cost more
     than the claims); each test makes its own jobs and counts relative to before."""
-    from fastapi.testclient import TestClient
-    from testkit import reset_postgres
-
-    from orchestrator.api.app import create_app
-    from orchestrator.settings import Settings
-    from orchestrator.store import db
-
-    home = tmp_path_factory.mktemp("hardening")
-    if request.param == "sqlite":
-        url = f"sqlite:///{home / 'test.db'}"
-    else:
-        url = request.getfixturevalue("postgres_server_url")
-        reset_postgres(url)
-    db.upgrade(url)
-    app = create_app(Settings(home=home / "home", database_url=url))
-    with TestClient(app) as c:
-        c.headers["Authorization"] = f"Bearer {app.state.token}"
-        yield c
-    app.state.engine.dispose()
+    yield from module_client(request, tmp_path_factory, "hardening")
 
 
 def total_jobs(client: Any) -> int:

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from testkit import job_spec
+from testkit import job_spec, module_client
 
 from orchestrator.api.limits import BODY_LIMIT, REPORT_BODY_LIMIT
 from orchestrator.store.models import Attempt
@@ -32,25 +32,7 @@ def add_attempt(app, job_id: str, number: int = 1) -> None:  # type: ignore[no-u
 def client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """One app per database for the whole module (a migrated database per test would
     cost more than the cases); each test makes its own job, so none sees another's."""
-    from fastapi.testclient import TestClient
-    from testkit import reset_postgres
-
-    from orchestrator.api.app import create_app
-    from orchestrator.settings import Settings
-    from orchestrator.store import db
-
-    home = tmp_path_factory.mktemp("hostile")
-    if request.param == "sqlite":
-        url = f"sqlite:///{home / 'test.db'}"
-    else:
-        url = request.getfixturevalue("postgres_server_url")
-        reset_postgres(url)
-    db.upgrade(url)
-    app = create_app(Settings(home=home / "home", database_url=url))
-    with TestClient(app) as c:
-        c.headers["Authorization"] = f"Bearer {app.state.token}"
-        yield c
-    app.state.engine.dispose()
+    yield from module_client(request, tmp_path_factory, "hostile")
 
 
 def job_total(client) -> int:  # type: ignore[no-untyped-def]
