@@ -175,6 +175,18 @@ def prune(root: Path, keep: int) -> list[Path]:
     return deleted
 
 
+def drop_rank_shards(step_dir: Path, rank: int) -> None:
+    """Delete ``rank``'s shards of one save. The directory may vanish meanwhile: on a
+    disk the nodes share, another node's rank prunes whole directories (:func:`prune`)
+    while this one lists it, and a listing whose directory is removed under it raises;
+    a shard already gone is what was wanted."""
+    try:
+        for p in step_dir.glob(f"__{rank}_*.distcp"):
+            p.unlink(missing_ok=True)
+    except FileNotFoundError:
+        pass
+
+
 def step_path(root: Path, step: int) -> Path:
     return root / step_dir_name(step)
 
@@ -502,9 +514,7 @@ class Checkpointer:
         prunes whole directories by their COMMIT markers."""
         self._committed.append(step)
         for old in self._committed[: -self.keep]:
-            d = step_path(self.root, old)
-            for p in d.glob(f"__{self._rank}_*.distcp"):
-                p.unlink(missing_ok=True)
+            drop_rank_shards(step_path(self.root, old), self._rank)
         del self._committed[: -self.keep]
         if self._local_rank == 0:
             prune(self.root, self.keep)

@@ -11,6 +11,7 @@ from orchestrator.contract import COMMIT_NAME, MANIFEST_NAME
 from training.checkpoint import (
     CheckpointError,
     commit_checkpoint,
+    drop_rank_shards,
     files_written_by_rank,
     find_latest_complete,
     prune,
@@ -113,3 +114,30 @@ def test_prune_keeps_the_newest_k_complete_and_a_newer_partial(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_30", "step_40", "step_50"]
     with pytest.raises(ValueError):
         prune(tmp_path, keep=1)
+
+
+def test_a_rank_dropping_its_shards_of_a_save_another_node_just_pruned_goes_on(
+    tmp_path, monkeypatch
+):
+    """On a disk the nodes share, one node's rank 0 prunes step_10 while a rank of the
+    other node lists step_10 for its own shards: the listing's directory is removed
+    under it (here just before its scandir opens it), which once failed that rank's
+    next save (seen in tests/e2e/test_service_stall_e2e.py: 'save of step 180 failed:
+    No such file or directory: .../step_150')."""
+    import shutil
+
+    old = _fake_save(tmp_path, 10)
+    real = os.scandir
+
+    def pruned_meanwhile(path="."):
+        if isinstance(path, (str, os.PathLike)) and Path(path) == old:
+            shutil.rmtree(old)
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", pruned_meanwhile)
+    drop_rank_shards(old, 1)  # raised FileNotFoundError before
+    assert not old.exists()
+    kept = _fake_save(tmp_path, 20)
+    monkeypatch.setattr(os, "scandir", real)
+    drop_rank_shards(kept, 1)
+    assert sorted(p.name for p in kept.glob("__*")) == ["__0_0.distcp"]
