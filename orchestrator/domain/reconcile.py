@@ -22,6 +22,7 @@ Example sequences (the job's statuses, then the incident's steps)::
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from enum import StrEnum
@@ -115,6 +116,10 @@ class ReconcileConfig:
     """A launch that failed for another reason than capacity (a node's setup that
     could not fetch a package, a provider's transient error) is tried again this many
     times on the same placement, after a backoff, before the job fails with it."""
+    hearsay_wait_s: float = 10.0
+    """How long a rank's word that a peer crashed (:func:`hearsay`) waits, while a node
+    is still silent, for that node's own report or the sight of its loss before it
+    opens an incident as ``node_lost``."""
     silence: sl.SilenceConfig = field(default_factory=sl.SilenceConfig)
     """When silence counts against a node (``domain.silence``): intake, stalls,
     disruption."""
@@ -710,25 +715,64 @@ def degraded_note(s: JobSnapshot, a: AttemptView, cfg: ReconcileConfig) -> Recor
     )
 
 
-def primary_cause(failures: tuple[Failure, ...]) -> Failure:
+def hearsay(f: Failure) -> bool:
+    """A rank's log that says a *peer* crashed (gloo's "Connection closed by peer ...
+    typically caused by a remote worker crashing", classed ``node_lost``): a claim
+    about another node, not the reconciler's own sight of a loss (kind ``node_lost``)."""
+    return f.failure_class is _F.NODE_LOST and f.kind != EventKind.NODE_LOST
+
+
+def _all_nodes_spoke(failures: tuple[Failure, ...], nodes: Collection[str]) -> bool:
+    """Every one of ``nodes`` reported a failure of its own: none is silent."""
+    return bool(nodes) and set(nodes) <= {f.node_id for f in failures}
+
+
+def primary_cause(failures: tuple[Failure, ...], nodes: Collection[str] = ()) -> Failure:
     """The first cause among failures that arrived together.
 
     A notice first; then a node the reconciler saw vanish or go silent, whatever its
     peers' logs say (they crash *because* it vanished: a collective to a dead peer
     reads like anything, a transport error, a timeout, even a user error when a
     warning line matches); then the strongest class in :data:`CAUSE_ORDER`, the
-    earliest within it."""
+    earliest within it.
+
+    A :func:`hearsay` loss is set aside when every node of the attempt (``nodes``)
+    reported a failure of its own: no node is missing, so the peer that "crashed" is
+    one that said why itself (a rank whose collective failed on a transport error;
+    gloo then closes its pairs and every peer reads a remote crash). Seen on SkyPilot:
+    the peer's exit reached the service before the failed rank's own report."""
     notices = [f for f in failures if f.failure_class is _F.PREEMPTION_NOTICE]
     if notices:
         return min(notices, key=lambda f: (f.occurred_at, f.event_id))
     lost = [f for f in failures if f.kind == EventKind.NODE_LOST]
     if lost:
         return min(lost, key=lambda f: (f.occurred_at, f.event_id))
+    pool = failures
+    if _all_nodes_spoke(failures, nodes) and not all(hearsay(f) for f in failures):
+        pool = tuple(f for f in failures if not hearsay(f))
     for group in CAUSE_ORDER:
-        found = [f for f in failures if f.failure_class in group]
+        found = [f for f in pool if f.failure_class in group]
         if found:
             return min(found, key=lambda f: (f.occurred_at, f.event_id))
-    return failures[0]
+    return pool[0]
+
+
+def _node_ids(a: AttemptView) -> tuple[str, ...]:
+    return tuple(n.node_id for n in a.nodes)
+
+
+def _awaiting_witnesses(s: JobSnapshot, a: AttemptView, failures: tuple[Failure, ...],
+                        cfg: ReconcileConfig) -> bool:  # fmt: skip
+    """Only :func:`hearsay` so far, and a node that has not spoken: for up to
+    ``hearsay_wait_s`` the service waits for that node's own report (its rank's
+    transport error names the incident) or for the sight of its loss (``detect``)."""
+    if not failures or not all(hearsay(f) for f in failures):
+        return False
+    live = [n.node_id for n in a.nodes if not n.exited]
+    if _all_nodes_spoke(failures, live):
+        return False
+    first = min(f.occurred_at for f in failures)
+    return (s.now - first).total_seconds() < cfg.hearsay_wait_s
 
 
 def detect(s: JobSnapshot, a: AttemptView, cfg: ReconcileConfig) -> RecordFailure | None:
@@ -886,7 +930,9 @@ def decide(s: JobSnapshot, cfg: ReconcileConfig | None = None) -> list[Action]:
             and not any(f.kind == EventKind.NODE_LOST for f in failures)
         ):
             return [lost]
-        cause = primary_cause(failures)
+        if _awaiting_witnesses(s, a, failures, cfg):
+            return []
+        cause = primary_cause(failures, _node_ids(a))
         onsets = [
             f.step
             for f in failures
@@ -1356,7 +1402,8 @@ def _stage(s: JobSnapshot, a: AttemptView, inc: IncidentView, cfg: ReconcileConf
     failures = _actionable(s, cfg)
     found = None if failures else detect(s, a, cfg)
     if failures or found is not None:
-        what = primary_cause(failures).failure_class if failures else found.failure_class  # type: ignore[union-attr]
+        cause = primary_cause(failures, _node_ids(a)) if failures else found
+        what = cause.failure_class  # type: ignore[union-attr]
         detail = f"attempt {a.number} failed while its nodes staged: {what}"
         return [
             FinishStep(i, step, StepOutcome.SKIPPED, detail),
@@ -1601,7 +1648,7 @@ def _validate(
             SetStatus(JobStatus.RUNNING, f"recovered: all ranks at step {resumed}"),
         ]
     if failures:
-        f = primary_cause(failures)
+        f = primary_cause(failures, _node_ids(a))
         detail = f"attempt {a.number} failed before validating: {f.failure_class}"
         return [*out, FinishStep(i, step, StepOutcome.FAILED, detail)]
     found = detect(s, a, cfg)

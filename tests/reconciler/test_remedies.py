@@ -331,6 +331,36 @@ def test_the_survivors_crashes_after_a_lost_node_are_its_consequences():
     assert out[0].cause == lost and out[0].consequences == (5, 6)
 
 
+def test_a_transport_error_names_the_incident_over_a_peer_s_word_that_it_crashed():
+    """Seen on SkyPilot (issue 19): rank 0's collective failed on a transport error;
+    gloo closed its pairs and node 1's rank read 'Connection closed by peer ...
+    remote worker crashing' (classed node_lost), which reached the service first.
+    Both nodes spoke, so no node is missing: the transport error is the cause and the
+    remedy a restart in place, not a replacement of a node that is alive."""
+    heard = replace(failure(F.NODE_LOST, "rank_exit", "j-a1-n1", code=1, id_=5), occurred_at=ago(3))
+    transport = failure(F.NCCL_TRANSPORT, "rank_exit", "j-a1-n0", code=1, id_=6)
+    out = rc.decide(snap(failures=(heard, transport)))
+    assert out[0].cause == transport and out[0].consequences == (5,)
+    # The same word with the other node silent is a node loss: its loss is the cause.
+    assert rc.primary_cause((heard,), ("j-a1-n0", "j-a1-n1")) == heard
+
+
+def test_a_peer_s_word_alone_waits_for_the_silent_node_then_is_a_node_loss():
+    """Only node 1 spoke, and node 0 looks alive (it beat 1 s ago): the service waits
+    up to hearsay_wait_s for node 0's own report or the sight of its loss, then opens
+    the incident as node_lost."""
+    cfg = rc.ReconcileConfig()
+    heard = replace(failure(F.NODE_LOST, "rank_exit", "j-a1-n1", code=1, id_=5), occurred_at=ago(3))
+    assert rc.decide(snap(failures=(heard,)), cfg) == []
+    late = replace(heard, occurred_at=ago(cfg.hearsay_wait_s + 1))
+    out = rc.decide(snap(failures=(late,)), cfg)
+    assert isinstance(out[0], rc.OpenIncident) and out[0].cause == late
+    # Node 0 seen gone meanwhile: its loss is recorded at once, it names the incident.
+    a = attempt(nodes=(node(0, alive=False), node(1)))
+    out = rc.decide(snap(attempt=a, failures=(heard,)), cfg)
+    assert isinstance(out[0], rc.RecordFailure) and out[0].node_id == "j-a1-n0"
+
+
 def test_a_rank_s_oom_names_the_incident_over_its_peers_timeouts():
     timeout = failure(F.NCCL_TIMEOUT, "rank_exit", "j-a1-n0", code=1, id_=4)
     oom = failure(F.CUDA_OOM, "rank_exit", "j-a1-n1", code=1, id_=5)
