@@ -219,6 +219,12 @@ def submit(
         print_json(job)
     else:
         console.print(f"submitted {job['id']} ({job['name']}): {job['status']}")
+        # What the service said of the task at submit: which of the spec and the YAML
+        # decided nodes and spot, and each field of it skyresume does not run.
+        events = Client().request("GET", f"/v1/jobs/{job['id']}/events")
+        for e in events["items"]:
+            if e["kind"] == "task_note":
+                console.print(f"note: {e['message']}", markup=False, highlight=False)
 
 
 @app.command()

@@ -193,6 +193,7 @@ class EventKind(StrEnum):
     CHAOS = "chaos"  # an operator injected a fault
     PLAIN_SCRIPT = "plain_script"  # the reconciler: the ranks send no progress reports
     CONTROL_PLANE_DEGRADED = "control_plane_degraded"  # the reconciler: the service was deaf
+    TASK_NOTE = "task_note"  # at submit: which of spec and YAML decided, what is not run
 
 
 class AttemptState(StrEnum):

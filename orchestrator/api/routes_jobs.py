@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -23,13 +24,15 @@ from orchestrator.api.schemas import (
     JobPage,
 )
 from orchestrator.api.strict import StrictQueryRoute
+from orchestrator.contract import EventKind
 from orchestrator.domain.spec import (
     MAX_SPEC_BYTES,
     JobSpec,
     SpecError,
-    TaskSpec,
     load_yaml_document,
+    task_spot_note,
     validate_job_spec,
+    with_task_num_nodes,
 )
 from orchestrator.domain.status import IllegalTransition, JobStatus
 from orchestrator.settings import Settings
@@ -61,8 +64,11 @@ async def render_job(request: Request) -> RenderOut:
 
     from orchestrator.launchers.base import LaunchError
     from orchestrator.launchers.skypilot import render_job as render
+    from orchestrator.launchers.user_task import pin_stored_text
 
-    spec = await _read_spec(request)
+    read = await _read_spec(request)
+    # The text just read, as a launch of the stored job would run it.
+    spec = pin_stored_text(read.spec, read.task_yaml)
     state = request.app.state
     try:  # the catalog, planner and SkyPilot's Task (seconds): off the event loop
         out = await run_in_threadpool(
@@ -76,7 +82,20 @@ async def render_job(request: Request) -> RenderOut:
                      task_yaml=out.task_yaml)  # fmt: skip
 
 
-async def _read_spec(request: Request) -> JobSpec:
+@dataclass(frozen=True)
+class _Spec:
+    """A submitted spec as the job stores it."""
+
+    spec: JobSpec
+    """Validated; a SkyPilot task's ``num_nodes`` filled in where the spec gave none."""
+    task_yaml: str | None = None
+    """The SkyPilot task's text as read now: what every launch of the job runs."""
+    notes: tuple[str, ...] = ()
+    """Which of the spec and the YAML decided nodes and spot, and each field of the
+    task skyresume does not run: one line each, recorded as the job's events."""
+
+
+async def _read_spec(request: Request) -> _Spec:
     """The request's job spec: JSON, or YAML with ``Content-Type: application/yaml``;
     413, 415 or 422 (naming the field) when it is not one."""
     body = await request.body()
@@ -98,48 +117,60 @@ async def _read_spec(request: Request) -> JobSpec:
         spec = validate_job_spec(doc)
     except SpecError as e:
         raise _spec_error(e) from None
-    _confine_task_file(spec, request.app.state.settings)
-    if spec.task is not None and spec.task.skypilot_yaml:
-        from starlette.concurrency import run_in_threadpool
+    path = _confine_task_file(spec, request.app.state.settings)
+    if path is None:
+        return _Spec(spec)
+    from starlette.concurrency import run_in_threadpool
 
-        await run_in_threadpool(_parse_task_file, spec.task)  # imports sky
-    return spec
+    return await run_in_threadpool(_read_task_file, spec, path)  # imports sky
 
 
-def _parse_task_file(task: TaskSpec) -> None:
-    """422 naming ``task.skypilot_yaml`` unless the file is there and SkyPilot's own
-    parser takes it (``sky.Task.from_yaml_config`` and ``validate``): a task SkyPilot
-    rejects is never stored, so nothing of it is ever launched (#26 defect 10)."""
+def _read_task_file(spec: JobSpec, path: Path) -> _Spec:
+    """The spec's SkyPilot task, read once from ``path`` (the file the confinement
+    checked, symlinks resolved) and checked with SkyPilot's own parser (a task
+    SkyPilot rejects is never stored, so nothing of it is ever launched: #26 defect
+    10); 422 naming ``task.skypilot_yaml`` when it cannot be, or naming ``num_nodes``
+    when the YAML's count does not fit the spec's ``min_nodes``."""
     from orchestrator.launchers.base import LaunchError
-    from orchestrator.launchers.skypilot import load_task_config, task_from_config
+    from orchestrator.launchers.user_task import check_task_text, read_task_text
 
-    path = str(task.skypilot_yaml)
-    what = f"SkyPilot task {path[:200]}"
+    where = str(spec.task.skypilot_yaml)[:200]
     try:
-        config = load_task_config(Path(path), what="SkyPilot task")
-        if task.envs:  # the spec's envs fill the YAML's empty ones, as at launch
-            config["envs"] = {**(config.get("envs") or {}), **task.envs}
-        task_from_config(config, what=what, secrets=dict(task.secrets) or None)
+        text = read_task_text(path, where)
+        checked = check_task_text(
+            text, where, envs=dict(spec.task.envs), secrets=dict(spec.task.secrets)
+        )
     except LaunchError as e:
         raise _spec_error(SpecError([("task.skypilot_yaml", str(e)[:500])])) from None
+    try:
+        spec, nodes = with_task_num_nodes(spec, checked.num_nodes)
+    except SpecError as e:
+        raise _spec_error(e) from None
+    # Stored as it was read: the absolute path names the file the text came from.
+    spec = spec.model_copy(
+        update={"task": spec.task.model_copy(update={"skypilot_yaml": str(path)})}
+    )
+    return _Spec(spec, checked.text, (nodes, task_spot_note(spec), *checked.notes))
 
 
-def _confine_task_file(spec: JobSpec, settings: Settings) -> None:
-    """422 unless ``task.skypilot_yaml`` lies in ``settings.skypilot_yaml_dir`` once
-    symlinks are resolved: the service reads that file (to render and launch it), and
-    a submitter must not make it read ``/etc/shadow`` or another user's task."""
+def _confine_task_file(spec: JobSpec, settings: Settings) -> Path | None:
+    """The resolved path of ``task.skypilot_yaml`` (None for a template job); 422
+    unless it lies in ``settings.skypilot_yaml_dir`` once symlinks are resolved: the
+    service reads that file, and a submitter must not make it read ``/etc/shadow`` or
+    another user's task."""
     path = spec.task.skypilot_yaml if spec.task is not None else None
     if not path:
-        return
+        return None
     root = settings.effective_skypilot_yaml_dir.resolve()
     try:
-        resolved = Path(path).resolve()  # relative: as the launcher opens it (its cwd)
+        resolved = Path(path).resolve()  # relative: against the service's cwd, once
     except (OSError, RuntimeError, ValueError) as e:
         raise _spec_error(SpecError([("task.skypilot_yaml", f"unusable path: {e}")])) from None
     if not resolved.is_relative_to(root):
         msg = (f"{path[:200]!r} is outside {root}, the directory task files are read from "
                "(SKYRESUME_SKYPILOT_YAML_DIR)")  # fmt: skip
         raise _spec_error(SpecError([("task.skypilot_yaml", msg)]))
+    return resolved
 
 
 #: What an ``Idempotency-Key`` may be: printable ASCII, at most 128 characters.
@@ -162,12 +193,17 @@ async def create_job(
 ) -> JobOut:
     """Submit a job spec as JSON, or as YAML with ``Content-Type: application/yaml``.
     201: made; 200: the job an earlier submit with this ``Idempotency-Key`` made."""
-    spec = await _read_spec(request)
+    read = await _read_spec(request)
     try:
-        done = submissions.submit_job(session, spec, idempotency_key)
+        done = submissions.submit_job(session, read.spec, idempotency_key,
+                                      task_yaml=read.task_yaml)  # fmt: skip
     except submissions.KeyReused as e:
         raise HTTPException(409, str(e)) from None
-    if not done.created:
+    if done.created:
+        for i, note in enumerate(read.notes):  # in the job's own transaction
+            repo.record_event(session, done.job.id, idempotency_key=f"submit-note-{i}",
+                              kind=EventKind.TASK_NOTE, message=note)  # fmt: skip
+    else:
         response.status_code = 200
     return JobOut.model_validate(done.job, from_attributes=True)
 

@@ -30,68 +30,17 @@ def _is_job_spec(doc: dict[str, Any]) -> bool:
     return isinstance(doc.get("task"), dict) or "checkpoint" in doc
 
 
-#: Task fields skyresume does not run: said in one line each, never dropped silently.
-_UNSUPPORTED = {
-    "service": "SkyServe's service: section (skyresume runs training jobs, not services)",
-    "pool": "SkyPilot's pool: section",
-}
-
-
-def _unsupported_lines(config: dict[str, Any]) -> list[str]:
-    out = [
-        f"{k}: {why} is not supported; ignored" for k, why in _UNSUPPORTED.items() if k in config
-    ]
-    res = config.get("resources")
-    opts = [res] if isinstance(res, dict) else []
-    if isinstance(res, dict):
-        opts += [o for o in (res.get("any_of") or res.get("ordered") or []) if isinstance(o, dict)]
-    if any("job_recovery" in o or "spot_recovery" in o for o in opts):
-        out.append(
-            "resources.job_recovery: SkyPilot's managed-job recovery is not used; "
-            "skyresume recovers the job itself (restart protocol)"
-        )
-    return out
-
-
-def _single_document(text: str | bytes, path: Path) -> None:
-    """A job group or a pipeline (several YAML documents) named in one line."""
-    import yaml
-
-    from orchestrator.launchers.base import TaskRejected
-
-    try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
-    except yaml.YAMLError:
-        return  # load_yaml_document names the error
-    if len(docs) > 1:
-        raise TaskRejected(
-            f"{path}: {len(docs)} YAML documents (a SkyPilot job group or pipeline); "
-            "job groups are not supported: skyresume runs one task per job, give it one"
-        )
-
-
 def _task_demand(
     path: Path, envs: dict[str, str] | None = None, secrets: dict[str, str] | None = None
 ) -> Any:
-    from orchestrator.domain.spec import SpecError, load_yaml_document
-    from orchestrator.launchers.base import TaskRejected
+    """(sky.Task, TaskDemand, config) of the task YAML at ``path``, checked as
+    ``submit`` checks it (``launchers.user_task.check_task_text``)."""
     from orchestrator.launchers.catalog import demand_from_task
-    from orchestrator.launchers.skypilot import load_task_config, task_from_config
+    from orchestrator.launchers.user_task import check_task_text, read_task_text
 
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise TaskRejected(f"SkyPilot task: cannot read {path}: {e.strerror}") from None
-    _single_document(text, path)
-    try:
-        load_yaml_document(text, what=str(path))
-    except SpecError as e:
-        raise TaskRejected(f"SkyPilot task {path}: {e}") from None
-    config = load_task_config(path, what="SkyPilot task")
-    if envs:
-        config["envs"] = {**(config.get("envs") or {}), **envs}
-    task = task_from_config(config, what=f"SkyPilot task {path}", secrets=secrets)
-    return task, demand_from_task(task), config
+    checked = check_task_text(read_task_text(path, str(path)), str(path), envs=envs,
+                              secrets=secrets)  # fmt: skip
+    return checked.task, demand_from_task(checked.task), checked.config
 
 
 def _spec_from_skypilot_yaml(path: Path, envs: Any, secrets: Any) -> tuple[Any, Any, Any, Any]:
@@ -162,16 +111,23 @@ def _load(
     """(kind, JobSpec, TaskDemand or None, sky.Task or None, task config or None,
     notes): the task, when there is one, is what SkyPilot's optimizer plans; the
     notes say which of the spec and the YAML decided nodes and spot."""
-    from orchestrator.domain.spec import SpecError, load_yaml_document, validate_job_spec
+    from orchestrator.domain.spec import (
+        SpecError,
+        load_yaml_document,
+        task_spot_note,
+        validate_job_spec,
+        with_task_num_nodes,
+    )
 
     try:
         text = path.read_bytes()
     except OSError as e:
         fail(f"cannot read {path}: {e.strerror}", 2)
     from orchestrator.launchers.base import TaskRejected
+    from orchestrator.launchers.user_task import single_document
 
     try:
-        _single_document(text, path)
+        single_document(text, str(path))
         doc = load_yaml_document(text, what=str(path))
     except SpecError as e:
         fail(f"{path}: {e}", 2)
@@ -186,25 +142,23 @@ def _load(
         spec = validate_job_spec(doc)
     except SpecError as e:
         fail(f"{path}: {e}", 2)
-    if spec.task.skypilot_yaml and not spec.accelerator_names:
-        # The job's accelerators live in its SkyPilot YAML (relative to the spec).
+    if spec.task.skypilot_yaml:
+        # Its SkyPilot YAML (relative to the spec) gives the job's accelerators, when
+        # the spec names none, and its nodes, when the spec gives no num_nodes.
         yaml_path = Path(spec.task.skypilot_yaml)
         if not yaml_path.is_absolute():
             yaml_path = path.parent / yaml_path
         all_envs = {**(getattr(spec.task, "envs", None) or {}), **(envs or {})}
         all_secrets = {**(getattr(spec.task, "secrets", None) or {}), **(secrets or {})}
         task, demand, config = _task_demand(yaml_path, all_envs, all_secrets)
+        try:  # the YAML's num_nodes unless the spec gives its own, said either way
+            spec, nodes = with_task_num_nodes(spec, demand.num_nodes)
+        except SpecError as e:
+            fail(f"{path}: {e}", 2)
+        if spec.accelerator_names:  # planned over the spec's own accelerators
+            return "job", spec, None, None, None, [nodes]
         spec = spec.model_copy(update={"accelerators": list(demand.accelerators)})
-        notes = []
-        if demand.num_nodes != spec.num_nodes:
-            notes.append(
-                f"nodes: {spec.num_nodes} from the job spec (the YAML says {demand.num_nodes})"
-            )
-        if spec.spot is None:
-            notes.append("spot: the YAML's use_spot, per resource option (the spec sets none)")
-        else:
-            notes.append(f"spot: {spec.spot} from the job spec (overrides the YAML's use_spot)")
-        return "job", spec, demand, task, config, notes
+        return "job", spec, demand, task, config, [nodes, task_spot_note(spec)]
     return "job", spec, None, None, None, []
 
 
@@ -347,7 +301,9 @@ def plan(
     except (UnknownAccelerator, LaunchError, ValueError) as e:
         fail(str(e), 2)
     if config is not None:
-        notes = [*notes, *_unsupported_lines(config)]
+        from orchestrator.launchers.user_task import unsupported_lines
+
+        notes = [*notes, *unsupported_lines(config)]
     fields = task_resource_fields(config) if config is not None else []
     now = datetime.now(UTC)
     past = service_history() if history else []

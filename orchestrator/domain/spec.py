@@ -153,9 +153,11 @@ class TaskSpec(_Strict):
     envs: dict[str, str] = Field(default_factory=dict, max_length=256)
     """The task's ``envs`` as SkyPilot takes them (``--env KEY=VALUE``): they fill a
     SkyPilot YAML's empty ones and override the rest."""
-    secrets: dict[str, str] = Field(default_factory=dict, max_length=256)
+    secrets: dict[str, str] = Field(default_factory=dict, max_length=256, repr=False)
     """As SkyPilot's ``secrets:`` (``--secret KEY=VALUE``): passed to the task as
-    SkyPilot passes secrets, shown as ``<redacted>`` in every API answer."""
+    SkyPilot passes secrets, shown as ``<redacted>`` in every API answer. Out of the
+    repr, so a logged spec or launch request (``%s`` of a dataclass holding the task)
+    never carries a value."""
     framework: Literal["skyresume", "hf", "accelerate", "lightning", "plain"] = "skyresume"
     """``skyresume``: the script uses ``training.Run`` (it reports what it resumed from
     and its steps, saves on SIGTERM and exits 75). ``hf``, ``accelerate``,
@@ -342,7 +344,11 @@ class RestartPolicy(_Strict):
 class JobSpec(_Strict):
     name: str
     task: TaskSpec
-    num_nodes: int = Field(ge=1, le=4096)
+    num_nodes: int = Field(default=1, ge=1, le=4096)
+    """Nodes every attempt runs on. A template job must give it. A job whose task is a
+    SkyPilot YAML may leave it out: the YAML's own ``num_nodes`` (SkyPilot's default,
+    1) is used, filled in when the job is submitted; given, it overrides the YAML's
+    (``skyresume plan`` says which was used: :func:`with_task_num_nodes`)."""
     min_nodes: int | None = Field(default=None, ge=1, le=4096)
     """Elastic runs may continue on fewer nodes, down to this. Default: num_nodes."""
     ranks_per_node: int = Field(default=1, ge=1, le=64)
@@ -401,13 +407,50 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _nodes(self) -> JobSpec:
+        if not self.num_nodes_given:
+            if not self.task.skypilot_yaml:
+                raise ValueError(_NODES_REQUIRED)
+            return self  # the YAML's count, checked once it is filled in
         if self.min_nodes is not None and self.min_nodes > self.num_nodes:
             raise ValueError(f"min_nodes ({self.min_nodes}) exceeds num_nodes ({self.num_nodes})")
         return self
 
     @property
+    def num_nodes_given(self) -> bool:
+        """Whether the spec itself says ``num_nodes`` (a stored spec always does: the
+        service fills in the YAML's at submit)."""
+        return "num_nodes" in self.model_fields_set
+
+    @property
     def effective_min_nodes(self) -> int:
         return self.min_nodes or self.num_nodes
+
+
+_NODES_REQUIRED = (
+    "num_nodes: required for a template job (only a SkyPilot YAML's job may leave it "
+    "to the YAML's num_nodes)"
+)
+
+
+def with_task_num_nodes(spec: JobSpec, yaml_nodes: int) -> tuple[JobSpec, str]:
+    """``spec`` with its SkyPilot YAML's ``num_nodes`` where the spec gives none, and
+    one line saying which was used. The YAML is what the user already runs with
+    ``sky launch``: a spec that says nothing must not quietly change it (#26); a spec
+    that says something overrides it, as SkyPilot's ``--num-nodes`` does. SpecError
+    when the filled-in spec is invalid (a ``min_nodes`` above the YAML's count)."""
+    if spec.num_nodes_given:
+        if spec.num_nodes == yaml_nodes:
+            return spec, f"nodes: {spec.num_nodes} (the job spec and the YAML agree)"
+        return spec, f"nodes: {spec.num_nodes} from the job spec (the YAML says {yaml_nodes})"
+    filled = validate_job_spec({**spec.model_dump(mode="json"), "num_nodes": yaml_nodes})
+    return filled, f"nodes: {yaml_nodes} from the YAML's num_nodes (the job spec sets none)"
+
+
+def task_spot_note(spec: JobSpec) -> str:
+    """One line saying which of the spec and its SkyPilot YAML decides spot."""
+    if spec.spot is None:
+        return "spot: the YAML's use_spot, per resource option (the spec sets none)"
+    return f"spot: {spec.spot} from the job spec (overrides the YAML's use_spot)"
 
 
 def _errors(e: ValidationError) -> list[tuple[str, str]]:
@@ -417,6 +460,8 @@ def _errors(e: ValidationError) -> list[tuple[str, str]]:
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown field"
+        if not loc and msg == _NODES_REQUIRED:  # a model check, about one field
+            loc, msg = msg.split(": ", 1)
         out.append((loc, msg))
     return out
 
@@ -427,7 +472,16 @@ def validate_job_spec(doc: Any) -> JobSpec:
     try:
         return JobSpec.model_validate(doc)
     except ValidationError as e:
-        raise SpecError(_errors(e)) from None
+        errors = _errors(e)
+        task = doc.get("task")
+        yaml_task = isinstance(task, dict) and bool(task.get("skypilot_yaml"))
+        if "num_nodes" not in doc and not yaml_task and not _names_nodes(errors):
+            errors.append(("num_nodes", "Field required"))  # the model check did not run
+        raise SpecError(errors) from None
+
+
+def _names_nodes(errors: list[tuple[str, str]]) -> bool:
+    return any(loc == "num_nodes" for loc, _ in errors)
 
 
 class _NoAliasLoader(yaml.SafeLoader):

@@ -50,6 +50,10 @@ class Job(Base):
     name: Mapped[str] = mapped_column(String(63), index=True)
     status: Mapped[str] = mapped_column(String(16), index=True)
     spec: Mapped[dict] = mapped_column(JSON)
+    task_yaml: Mapped[str | None] = mapped_column(Text)
+    """The SkyPilot task YAML (``task.skypilot_yaml``) as read at submit: what every
+    launch runs, whatever becomes of the file (launchers/user_task.py). None for a
+    template job, and for a job stored before revision 0009 (it reads its path)."""
     status_reason: Mapped[str | None] = mapped_column(Text)
     restart_count: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)

@@ -37,13 +37,17 @@ def new_job_id() -> str:
     return "j-" + secrets.token_hex(5)
 
 
-def create_job(session: Session, spec: JobSpec, *, now: datetime | None = None) -> Job:
+def create_job(
+    session: Session, spec: JobSpec, *, task_yaml: str | None = None, now: datetime | None = None
+) -> Job:
+    """A PENDING job; ``task_yaml``: its SkyPilot task's text as read at submit."""
     now = now or utcnow()
     job = Job(
         id=new_job_id(),
         name=spec.name,
         status=JobStatus.PENDING,
         spec=spec.model_dump(mode="json"),
+        task_yaml=task_yaml,
         restart_count=0,
         created_at=now,
         updated_at=now,

@@ -14,7 +14,9 @@ accepted but has not flushed yet counts, so detection never sees a node as silen
 because its beat sits in a batch; other replicas' beats are in SQL within their
 flush interval.
 
-Read-only: nothing here writes.
+Read-only: nothing here writes to the store. A job's SkyPilot task reaches the
+launcher as the text stored at submit (``jobs.task_yaml``, through a private copy:
+``launchers.user_task.pin_stored_text``), never as the user's file again.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from orchestrator.domain.remedy import PastIncident
 from orchestrator.domain.spec import JobSpec
 from orchestrator.domain.status import JobStatus
 from orchestrator.launchers.base import Launcher, LaunchHandle
+from orchestrator.launchers.user_task import pin_stored_text
 from orchestrator.store import intake, liveness, records, repo
 from orchestrator.store.models import Attempt, FailureEvent, Job, Node
 from orchestrator.store.models import ProtocolStep as StepRow
@@ -168,7 +171,9 @@ def gather_snapshot(
     s: Session, job_id: str, now: datetime, launcher: Launcher
 ) -> tuple[rc.JobSnapshot, Rows]:
     job = repo.get_job(s, job_id)
-    spec = JobSpec.model_validate(job.spec)
+    # What was submitted, not what the file says now: edited or deleted after submit,
+    # the YAML must change nothing of the job (its candidates and its launches).
+    spec = pin_stored_text(JobSpec.model_validate(job.spec), job.task_yaml)
     attempt = s.scalars(
         select(Attempt).where(Attempt.job_id == job_id).order_by(Attempt.number.desc())
     ).first()

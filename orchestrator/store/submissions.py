@@ -42,17 +42,19 @@ def spec_digest(spec: JobSpec) -> str:
 
 
 def submit_job(
-    session: Session, spec: JobSpec, key: str | None, *, now: datetime | None = None
-) -> Submitted:
-    """Create the job, or (same ``key`` and spec as before) return the one made then."""
+    session: Session, spec: JobSpec, key: str | None, *, task_yaml: str | None = None,
+    now: datetime | None = None,
+) -> Submitted:  # fmt: skip
+    """Create the job, or (same ``key`` and spec as before) return the one made then.
+    ``task_yaml``: the text of the spec's SkyPilot task, stored with the job."""
     if key is None:
-        return Submitted(repo.create_job(session, spec, now=now), True)
+        return Submitted(repo.create_job(session, spec, task_yaml=task_yaml, now=now), True)
     digest = spec_digest(spec)
     earlier = session.get(JobSubmission, key)
     if earlier is None:
         try:
             with session.begin_nested():  # two retries racing: one row wins
-                job = repo.create_job(session, spec, now=now)
+                job = repo.create_job(session, spec, task_yaml=task_yaml, now=now)
                 session.add(JobSubmission(key=key, job_id=job.id, spec_sha256=digest,
                                           created_at=now or utcnow()))  # fmt: skip
                 session.flush()
