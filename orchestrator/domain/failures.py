@@ -563,6 +563,10 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"ncclInternalError",
         r"IBV_WC_\w+",
         r"misc/socket\.cc|transport/net_ib|net_socket\.cc|net_ib\.cc",
+        # NCCL's own socket calls, named in its INFO/WARN lines ("socketPollConnect:
+        # connect to 10.0.0.2<47479> returned Connection refused"): the bootstrap or the
+        # socket transport, not the c10d store. Outranks the bare socket words below.
+        r"\bsocket(Poll|Start|Finalize)Connect\b",
         r"NET/OFI|fi_\w+ failed|libfabric",
         r"Connection closed by remote peer",
         r"connectFullMesh failed",
@@ -587,6 +591,9 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"Address family not supported by protocol",
         # Open MPI could not start its daemons on the other nodes: the job never formed.
         r"ORTE was unable to (reliably )?start one or more daemons",
+        # Older c10d's TCPStore could not resolve MASTER_ADDR. Named so that the
+        # ValueError it is raised as is not read as the user's bug.
+        r"host not found: Name or service not known",
     )
     + _r(
         _F.RENDEZVOUS_FAILURE,
@@ -1138,8 +1145,21 @@ _RENDEZVOUS_FRAME = re.compile(
     r"\bin (?:init_process_group|_new_process_group_helper|_store_based_barrier|"
     r"_create_c10d_store|_env_rendezvous_handler|_tcp_rendezvous_handler|"
     r"_file_rendezvous_handler|_init_dist_connection|next_rendezvous)\b"
-    r"|torch/distributed/elastic/rendezvous/|\bdist\.init_process_group\(",
+    r"|torch/distributed/elastic/rendezvous/|\bdist\.init_process_group\(|\bTCPStore\(",
 )
+# Python's multiprocessing moving data between a process and its own DataLoader
+# workers: a tensor's file descriptor handed over a local socket (resource_sharer), a
+# queue read at the workers' shutdown. A socket error raised there is between the
+# processes of one host; read as a peer's or a store's, it called a DataLoader hiccup
+# node_lost (pytorch/pytorch#9127) and a rendezvous failure (open-mmlab/mmdetection#234).
+_LOCAL_IPC_FRAME = re.compile(
+    r"multiprocessing[/\\](?:resource_sharer|connection|queues)\.py"
+    r"|torch[/\\]multiprocessing[/\\]reductions\.py"
+    r"|\bin (?:_shutdown_workers|_worker_loop|_pin_memory_loop)\b"
+)
+#: Rules of bare socket words, which name no peer by themselves: beside local IPC
+#: frames they say nothing (``unknown``, retried) rather than a lost node or store.
+_SOCKET_WORDS = frozenset({r"Connection refused", r"Connection reset by peer", r"Broken pipe"})
 #: The innermost frame of a traceback in checkpoint or process-group code, with no
 #: cause named: below every named error and the user's exception.
 _FRAME_CONFIDENCE = 0.65
@@ -1155,6 +1175,14 @@ def _innermost_frame(lines: list[str]) -> str | None:
     return None
 
 
+def _local_ipc(lines: list[str]) -> bool:
+    """Whether the tail's traceback frames pass through local IPC (``_LOCAL_IPC_FRAME``)."""
+    return any(
+        _FRAME.match(stripped) is not None and _LOCAL_IPC_FRAME.search(stripped) is not None
+        for stripped in (_RANK_PREFIX.sub("", line, count=1) for line in lines)
+    )
+
+
 def _scan(lines: list[str]) -> Classification | None:
     best: dict[FailureClass, tuple[float, list[str]]] = {}
     # The line of each class's strongest hit (the first one, at equal strength).
@@ -1168,10 +1196,11 @@ def _scan(lines: list[str]) -> Classification | None:
             deciding[cls] = line
         best[cls] = (max(conf, confidence), ev)
 
+    local_ipc = _local_ipc(lines)
     for line in lines:
         # The strongest rule that matches the line speaks for it.
         rule = max(
-            (r for r in _RULES if r.matches(line)),
+            (r for r in _RULES if r.matches(line) and not (local_ipc and r.text in _SOCKET_WORDS)),
             key=lambda r: r.confidence,
             default=None,
         )

@@ -1176,6 +1176,111 @@ def test_a_users_error_raised_while_forming_the_process_group_stays_a_user_error
     assert classify_failure(1, None, log).failure_class is F.USER_CODE_ERROR
 
 
+def test_a_store_that_cannot_resolve_master_addr_is_a_rendezvous_failure_not_a_user_error():
+    # https://github.com/pytorch/examples/issues/540 (old c10d raises it as ValueError)
+    log = (
+        'File "/apps/pytorch/lib/python3.6/site-packages/torch/distributed/rendezvous.py", '
+        "line 143, in _env_rendezvous_handler\n"
+        "store = TCPStore(master_addr, master_port, world_size, start_daemon)\n"
+        "ValueError: host not found: Name or service not known"
+    )
+    assert classify_failure(1, None, log).failure_class is F.RENDEZVOUS_FAILURE
+
+
+def test_a_traceback_ending_in_the_stores_constructor_is_a_rendezvous_failure() -> None:
+    # https://github.com/pytorch/pytorch/issues/118666 (the error line itself was lost
+    # to two ranks writing at once)
+    log = (
+        '  File "/opt/conda/lib/python3.10/site-packages/torch/distributed/rendezvous.py", '
+        "line 174, in _create_c10d_store\n"
+        '  File "/opt/conda/lib/python3.10/site-packages/deepspeed/comm/torch.py", '
+        "line 120, in __init__\n"
+        "    return TCPStore("
+    )
+    assert classify_failure(1, None, log).failure_class is F.RENDEZVOUS_FAILURE
+
+
+def test_nccls_own_socket_call_is_nccl_transport_not_a_store() -> None:
+    # https://github.com/modelscope/ms-swift/issues/8043: "Connection refused" alone is
+    # the c10d store's word (rendezvous_failure); NCCL's socketPollConnect names NCCL.
+    line = "socketPollConnect: connect to 169.254.20.10<52597> returned Connection refused"
+    assert classify_failure(1, None, line).failure_class is F.NCCL_TRANSPORT
+
+
+# The frames of a DataLoader's local IPC (https://github.com/pytorch/pytorch/issues/9127,
+# https://github.com/open-mmlab/mmdetection/issues/234).
+_RESOURCE_SHARER = (
+    '  File "/usr/lib/python3.6/multiprocessing/resource_sharer.py", line 87, in get_connection\n'
+    "    c = Client(address, authkey=process.current_process().authkey)\n"
+    '  File "/usr/lib/python3.6/multiprocessing/connection.py", line 614, in SocketClient\n'
+    "    s.connect(address)\n"
+)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        "ConnectionRefusedError: [Errno 111] Connection refused",
+        "ConnectionResetError: [Errno 104] Connection reset by peer",
+        "BrokenPipeError: [Errno 32] Broken pipe",
+    ],
+    ids=["refused", "reset", "broken-pipe"],
+)
+def test_a_socket_error_between_a_process_and_its_dataloader_workers_names_no_peer(
+    error: str,
+) -> None:
+    # Between processes of one host: no store failed to form and no node was lost, so
+    # the bare socket words give way to unknown (retried within limits).
+    c = classify_failure(1, None, _RESOURCE_SHARER + error)
+    assert c.failure_class is F.UNKNOWN
+    # The same words with no such frames still say what they said.
+    assert classify_failure(1, None, error).failure_class in (
+        F.RENDEZVOUS_FAILURE,
+        F.NODE_LOST,
+    )
+
+
+def test_a_named_cause_beside_dataloader_ipc_frames_still_speaks() -> None:
+    log = _RESOURCE_SHARER + "RuntimeError: DataLoader worker (pid 42) is killed by signal: Killed"
+    assert classify_failure(1, None, log).failure_class is F.HOST_OOM_KILLED
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        # https://github.com/HiFiLES/HiFiLES-solver/issues/135
+        "mpirun noticed that process rank 2 with PID 31203 on node subbaiah10 exited on "
+        "signal 11 (Segmentation fault).",
+        # https://github.com/pmodels/mpich/issues/6563
+        "YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Segmentation fault: 11 (signal 11)",
+        # https://github.com/deepspeedai/DeepSpeedExamples/issues/626
+        "[ERROR] [launch.py:324:sigkill_handler] ['python3.10', '-u', 'trainCLM.py', "
+        "'--local_rank=1'] exits with return code = -11",
+        # https://github.com/Lightning-AI/pytorch-lightning/issues/2124
+        "Exception: process 3 terminated with signal SIGSEGV",
+    ],
+    ids=["mpirun", "hydra", "deepspeed", "mp-spawn"],
+)
+def test_a_launchers_report_of_a_segfault_names_no_cause(line: str) -> None:
+    # Not a lost node (mpirun names the node it ran on), not the OOM killer (-11 is
+    # not -9): the launchers' words for SIGSEGV stay unknown.
+    assert classify_failure(1, None, line).failure_class is F.UNKNOWN
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        # https://github.com/yangjianxin1/Firefly/issues/154 (the deepspeed launcher)
+        "error: unrecognized arguments: --local_rank=0",
+        # https://github.com/XPixelGroup/BasicSR/issues/626 (PyTorch 2.0's launcher)
+        "train.py: error: unrecognized arguments: --local-rank=0",
+    ],
+    ids=["local_rank", "local-rank"],
+)
+def test_argparse_refusing_the_launchers_local_rank_is_a_user_error(line: str) -> None:
+    assert classify_failure(2, None, line).failure_class is F.USER_CODE_ERROR
+
+
 @pytest.mark.parametrize(
     ("log", "want"),
     [
