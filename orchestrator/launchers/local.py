@@ -297,6 +297,11 @@ class LocalLauncher:
         and what it stages under ``$HOME/skyresume/node``)."""
         return self.node_dir(job_id, node_id) / "home"
 
+    def node_python(self, job_id: str, node_id: str) -> Path:
+        """The node's own Python environment, on its disk (``localboot.prepare_python``:
+        the image's packages, its own installs)."""
+        return self.node_home(job_id, node_id) / "skyresume" / "python"
+
     def _keep_disk(self, job_id: str, kept: str, node_id: str) -> None:
         """Node ``node_id`` runs on the machine ``kept`` ran on, so it has that machine's
         disk, as a cloud VM that stays keeps its own: the script's own snapshot and the
@@ -450,17 +455,23 @@ class LocalLauncher:
         host: Any, master_port: int, cluster: str,
     ) -> dict[str, str]:  # fmt: skip
         """A node's whole environment: a clean image's, the task's envs and secrets,
-        and what SkyPilot sets; never the service's own environment (its tokens)."""
+        and what SkyPilot sets; never the service's own environment (its tokens). Its
+        ``python3`` and ``pip`` are the node's own venv's (:meth:`node_python`), first
+        on PATH: a setup's ``pip install`` lands on the node's disk, not in the
+        service's environment."""
         home = self.node_home(request.job_id, node_id)
+        venv = self.node_python(request.job_id, node_id)
+        image = f"{venv}/bin:{Path(self.python).parent}"
         env: dict[str, str] = {
-            "PATH": f"{Path(self.python).parent}:{_SYSTEM_PATH}",
+            "PATH": f"{image}:{_SYSTEM_PATH}",
+            "VIRTUAL_ENV": str(venv),
             "HOME": str(home),
             "LANG": os.environ.get("LANG", "C.UTF-8"),
             "OMP_NUM_THREADS": "1",
             **self.image_env,
         }
         if "PATH" in self.image_env:  # the image's Python stays first on its PATH
-            env["PATH"] = f"{Path(self.python).parent}:{self.image_env['PATH']}"
+            env["PATH"] = f"{image}:{self.image_env['PATH']}"
         env.update({str(k_): str(v) for k_, v in (task.get("envs") or {}).items()})
         env.update(secrets)
         env.update(self.storage_env)
@@ -536,8 +547,9 @@ class LocalLauncher:
             )
             prefix = fabric.exec_prefix(net[k]) if net[k] is not None else []
             specs.append(
-                {"node_id": node_id, "env": env, "exec_prefix": prefix, "log_dir": str(d / "logs")}
-            )
+                {"node_id": node_id, "env": env, "exec_prefix": prefix, "log_dir": str(d / "logs"),
+                 "venv": str(self.node_python(job, node_id))}
+            )  # fmt: skip
         # As ``sky launch``: setup on a fresh launch (it installs the agent, then the
         # user's own setup); as ``sky exec``: a restart in place runs only ``run``.
         setup = task.get("setup") if previous is None else None

@@ -9,7 +9,9 @@ time and can fail after it was accepted, as on a cloud:
 2. refuse for capacity when the region is stocked out by then (``chaos stockout``);
 3. on every node, run the rendered SkyPilot task's ``setup`` (in the node's network
    namespace, with the task's envs and secrets and the ``SKYPILOT_*`` values), all
-   nodes at once; a failed setup fails the request, naming the node and its log;
+   nodes at once; a failed setup fails the request, naming the node and its log.
+   The node's ``python3`` and ``pip`` are its own first (:func:`prepare_python`): a
+   user's ``pip install`` lands on the node's disk, never in the service's venv;
 4. start the task's ``run`` on every node and write the request's state ``up``.
 
 The state file (``<cluster>.state.json``: phase, detail, capacity, hosts) is what
@@ -70,6 +72,37 @@ def _popen(node: dict[str, Any], script: str, log_name: str) -> subprocess.Popen
         )
 
 
+def prepare_python(venv: Path) -> None:
+    """The node's own Python environment at ``venv`` (once per node disk): a venv of
+    this interpreter's base whose ``.pth`` adds this interpreter's site directories
+    after its own, so the node imports what the image has (torch) while ``pip
+    install`` (and ``python3 -m pip``, and ``uv pip`` under ``VIRTUAL_ENV``) writes
+    into the venv: sys.prefix is the venv's, and pip leaves a package outside its
+    environment where it is. Without it, a user's setup ran the service's own pip
+    and installed into the service's environment (#26)."""
+    import site
+    import venv as venv_module
+
+    if (venv / "bin" / "python3").exists():
+        return
+    new = venv.with_name(venv.name + f".new-{os.getpid()}")
+    venv_module.EnvBuilder(with_pip=False, symlinks=True, clear=True).create(new)
+    ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    dirs = [d for d in (*site.getsitepackages(), site.getusersitepackages()) if Path(d).is_dir()]
+    lines = "".join(f"import site; site.addsitedir({d!r})\n" for d in dirs)
+    (new / "lib" / ver / "site-packages" / "_skyresume_image.pth").write_text(lines)
+    for name in ("pip", "pip3", f"pip{sys.version_info.major}.{sys.version_info.minor}"):
+        shim = new / "bin" / name  # a venv made without pip has none: the image's would run
+        shim.write_text('#!/bin/sh\nexec "$(dirname "$0")/python3" -m pip "$@"\n')
+        shim.chmod(0o755)
+    try:
+        os.rename(new, venv)
+    except OSError:  # made meanwhile by another boot on the same disk: keep that one
+        import shutil
+
+        shutil.rmtree(new, ignore_errors=True)
+
+
 def boot(spec_path: Path) -> int:
     spec = read_json(spec_path)
     state = Path(spec["state_file"])
@@ -86,6 +119,9 @@ def boot(spec_path: Path) -> int:
             ),
         )
         return 1
+    for n in nodes:
+        if n.get("venv"):
+            prepare_python(Path(n["venv"]))
     if spec.get("setup"):
         procs = [(n, _popen(n, spec["setup"], "setup.log")) for n in nodes]
         for n, p in procs:
