@@ -168,12 +168,14 @@ def test_sources_md_lists_the_corpus_as_it_is() -> None:
 #: Floors against regressions at the measured figures (BENCHMARKS.md), below the
 #: issue's target (>= 95% held-out, no class under 85%), which is not met yet.
 #: ``classify_failure``'s default is the rules alone (the learned fallback did not beat
-#: them in grouped cross-validation on dev): 89.0% held out (129/145), 98.3% dev.
-HELD_OUT_FLOOR = 0.88
+#: them in grouped cross-validation on dev): 87.7% held out (143/163) in round 5's one
+#: measurement, 98.2% dev. (The floor was 0.88 at 136/154: the 9 held-out excerpts
+#: round 5 added score 7/9, and the 154 older ones are unchanged.)
+HELD_OUT_FLOOR = 0.87
 DEV_FLOOR = 0.98
-#: Rules + learned fallback (``model_fallback=True``): 91.0% held out (132/145; the
-#: second of two held-out runs, docs/failures.md), 98.3% dev (its training data).
-FALLBACK_HELD_OUT_FLOOR = 0.91
+#: Rules + learned fallback (``model_fallback=True``): 89.6% held out (146/163), 98.2%
+#: dev (its training data); regenerated on round 5's development part.
+FALLBACK_HELD_OUT_FLOOR = 0.89
 FALLBACK_DEV_FLOOR = 0.98
 
 
