@@ -16,8 +16,10 @@ launch runs what was submitted whatever becomes of the file afterwards (#26).
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
+import shutil
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -126,11 +128,15 @@ _copies_lock = threading.Lock()
 
 def _copies_dir() -> Path:
     """This process's directory of stored task texts: made by mkdtemp (0700, a name
-    no other user can have taken first), so nothing but this service writes there."""
+    no other user can have taken first), so nothing but this service writes there;
+    removed when the process exits."""
     global _copies
     with _copies_lock:
         if _copies is None or not _copies.is_dir():
             _copies = Path(tempfile.mkdtemp(prefix="skyresume-tasks-"))
+            # Gone with the process: the texts live in the database, and one may hold
+            # a task's secrets.
+            atexit.register(shutil.rmtree, _copies, ignore_errors=True)
         return _copies
 
 

@@ -176,3 +176,21 @@ def test_submit_prints_which_of_the_spec_and_the_yaml_decided(sky, client, monke
     r = CliRunner().invoke(cli.app, ["submit", str(spec)])
     assert r.exit_code == 0, r.output
     assert "note: nodes: 3 from the YAML's num_nodes (the job spec sets none)" in r.stdout
+
+
+def test_the_services_copies_of_stored_tasks_are_gone_when_it_exits() -> None:
+    """A stored text may hold a task's secrets: its private copy (0600 in a 0700
+    directory) lives only as long as the process that launches from it."""
+    import subprocess
+    import sys
+
+    code = (
+        "from orchestrator.launchers.user_task import stored_copy\n"
+        "p = stored_copy('secrets:\\n  K: v\\n', 'task.yaml')\n"
+        "import os, stat; print(p, oct(stat.S_IMODE(os.stat(p).st_mode)),"
+        " oct(stat.S_IMODE(os.stat(p.parent.parent).st_mode)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    path, mode, dir_mode = out.stdout.split()
+    assert (mode, dir_mode) == (oct(0o600), oct(0o700)), out.stdout
+    assert not Path(path).parent.parent.exists()
