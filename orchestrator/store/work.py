@@ -68,7 +68,14 @@ def acquire_lease(s: Session, holder: str, lease_s: float, now: datetime) -> int
 
 def fence(s: Session, holder: str, epoch: int, lease_s: float, now: datetime) -> None:
     """Check, inside the caller's transaction, that ``holder`` still holds the lease at
-    ``epoch`` and it has not run out, and renew it; NotLeader when not.
+    ``epoch``, and renew it; NotLeader when not.
+
+    A lease that ran out but that nobody took (the same holder and epoch: a takeover
+    always moves the epoch, :func:`acquire_lease`) is renewed too. Nobody else acted
+    in between, so the holder's snapshot is as good as a slow tick's. Refusing it made
+    a round whose reads outlast the lease (SkyPilot's status of two clusters, each up
+    to 5 s, in one gather) refuse its own fence every time: seen through SkyPilot's
+    provisioner as 230 s of rounds rolled back while the nodes were up (issue 19).
 
     Every transaction of the reconciler that writes (launch intent, attempt, release,
     node command, step transition) calls this before its first write or launcher
@@ -88,7 +95,7 @@ def fence(s: Session, holder: str, epoch: int, lease_s: float, now: datetime) ->
     got = s.execute(
         update(Lease)
         .where(Lease.name == LEASE_NAME)
-        .where(Lease.holder == holder, Lease.epoch == epoch, Lease.expires_at > now)
+        .where(Lease.holder == holder, Lease.epoch == epoch)
         .values(expires_at=now + timedelta(seconds=lease_s))
         .returning(Lease.epoch)
         .execution_options(synchronize_session=False)
