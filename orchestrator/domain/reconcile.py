@@ -761,18 +761,43 @@ def _node_ids(a: AttemptView) -> tuple[str, ...]:
     return tuple(n.node_id for n in a.nodes)
 
 
-def _awaiting_witnesses(s: JobSnapshot, a: AttemptView, failures: tuple[Failure, ...],
-                        cfg: ReconcileConfig) -> bool:  # fmt: skip
-    """Only :func:`hearsay` so far, and a node that has not spoken: for up to
-    ``hearsay_wait_s`` the service waits for that node's own report (its rank's
-    transport error names the incident) or for the sight of its loss (``detect``)."""
+def _silent_nodes(a: AttemptView, failures: tuple[Failure, ...]) -> list[str]:
+    """The attempt's live nodes that reported no failure."""
+    spoke = {f.node_id for f in failures}
+    return [n.node_id for n in a.nodes if not n.exited and n.node_id not in spoke]
+
+
+def _after_hearsay(s: JobSnapshot, a: AttemptView, failures: tuple[Failure, ...],
+                   cfg: ReconcileConfig) -> list[Action] | None:  # fmt: skip
+    """What only :func:`hearsay` so far calls for, or None to open the incident.
+
+    While a node has not spoken, for up to ``hearsay_wait_s``: wait ([]) for that
+    node's own report (its rank's transport error then names the incident) or for the
+    sight of its loss (``detect``). After it, when exactly one live node is still
+    silent, that node is the one the peers heard crash: its loss is recorded on it.
+    The reporter is the witness, not the lost node; an incident named after it gave
+    back the survivor and kept the dead node (seen on the emulated AWS with one
+    cluster per node: the survivor's cluster downed, the join failed, a fresh
+    launch, 143 s)."""
     if not failures or not all(hearsay(f) for f in failures):
-        return False
-    live = [n.node_id for n in a.nodes if not n.exited]
-    if _all_nodes_spoke(failures, live):
-        return False
-    first = min(f.occurred_at for f in failures)
-    return (s.now - first).total_seconds() < cfg.hearsay_wait_s
+        return None
+    silent = _silent_nodes(a, failures)
+    if not silent:
+        return None
+    first = min(failures, key=lambda f: (f.occurred_at, f.event_id))
+    if (s.now - first.occurred_at).total_seconds() < cfg.hearsay_wait_s:
+        return []
+    if len(silent) != 1:
+        return None
+    return [
+        RecordFailure(
+            EventKind.NODE_LOST,
+            _F.NODE_LOST,
+            silent[0],
+            f"node {silent[0]} is silent while its peers' ranks say a peer crashed "
+            f"({first.node_id}: {first.message})"[:500],
+        )
+    ]
 
 
 def detect(s: JobSnapshot, a: AttemptView, cfg: ReconcileConfig) -> RecordFailure | None:
@@ -930,8 +955,9 @@ def decide(s: JobSnapshot, cfg: ReconcileConfig | None = None) -> list[Action]:
             and not any(f.kind == EventKind.NODE_LOST for f in failures)
         ):
             return [lost]
-        if _awaiting_witnesses(s, a, failures, cfg):
-            return []
+        waiting = _after_hearsay(s, a, failures, cfg)
+        if waiting is not None:
+            return waiting
         cause = primary_cause(failures, _node_ids(a))
         onsets = [
             f.step

@@ -345,16 +345,27 @@ def test_a_transport_error_names_the_incident_over_a_peer_s_word_that_it_crashed
     assert rc.primary_cause((heard,), ("j-a1-n0", "j-a1-n1")) == heard
 
 
-def test_a_peer_s_word_alone_waits_for_the_silent_node_then_is_a_node_loss():
+def test_a_peer_s_word_alone_waits_for_the_silent_node_then_that_node_is_lost():
     """Only node 1 spoke, and node 0 looks alive (it beat 1 s ago): the service waits
-    up to hearsay_wait_s for node 0's own report or the sight of its loss, then opens
-    the incident as node_lost."""
+    up to hearsay_wait_s for node 0's own report or the sight of its loss; then node 0,
+    the one silent node, is the one lost, never node 1, the witness (seen on the
+    emulated AWS: an incident named after the witness gave the survivor back)."""
     cfg = rc.ReconcileConfig()
     heard = replace(failure(F.NODE_LOST, "rank_exit", "j-a1-n1", code=1, id_=5), occurred_at=ago(3))
     assert rc.decide(snap(failures=(heard,)), cfg) == []
     late = replace(heard, occurred_at=ago(cfg.hearsay_wait_s + 1))
-    out = rc.decide(snap(failures=(late,)), cfg)
-    assert isinstance(out[0], rc.OpenIncident) and out[0].cause == late
+    (rec,) = rc.decide(snap(failures=(late,)), cfg)
+    assert isinstance(rec, rc.RecordFailure) and rec.kind == "node_lost"
+    assert rec.node_id == "j-a1-n0" and "j-a1-n1" in rec.message
+    # Recorded, it names the incident; the witness's word is its consequence, and the
+    # remedy keeps the witness's node.
+    lost = failure(F.NODE_LOST, "node_lost", "j-a1-n0", id_=8)
+    out = rc.decide(snap(failures=(late, lost)), cfg)
+    assert out[0].cause == lost and out[0].consequences == (5,)
+    # Two silent nodes of three: which one crashed is not known; the incident opens.
+    a3 = attempt(nodes=(node(0), node(1), node(2)))
+    out = rc.decide(snap(attempt=a3, failures=(late,)), cfg)
+    assert isinstance(out[0], rc.OpenIncident)
     # Node 0 seen gone meanwhile: its loss is recorded at once, it names the incident.
     a = attempt(nodes=(node(0, alive=False), node(1)))
     out = rc.decide(snap(attempt=a, failures=(heard,)), cfg)
