@@ -153,10 +153,15 @@ def test_two_nodes_measure_their_allreduce_bandwidth_before_training(
     service, start_agent, min_gbps, code
 ):
     job = service.new_job()
-    port = str(free_port())
+    # The check's own port is free too: its default, the master port + 1, was not
+    # (CI at f1b4b45: node 0's check read unknown at once, node 1's waited 90 s).
+    port, check = str(free_port()), str(free_port())
+    while check == port:
+        check = str(free_port())
     runs = []
     for k in (0, 1):
-        flags = ("--nnodes", "2", "--node-rank", str(k), "--master-port", port)
+        flags = ("--nnodes", "2", "--node-rank", str(k), "--master-port", port,
+                 "--allreduce-check-port", check)  # fmt: skip
         runs.append(
             start_agent(job, node=f"n{k}", flags=(*flags, "--min-allreduce-gbps", min_gbps))
         )
