@@ -231,3 +231,22 @@ def module_client(request: Any, tmp_path_factory: Any, name: str) -> Iterator[An
         c.headers["Authorization"] = f"Bearer {app.state.token}"
         yield c
     app.state.engine.dispose()
+
+
+def cli_through(client: Any, monkeypatch: Any) -> Any:
+    """``orchestrator.cli`` with its HTTP ``Client`` answered by ``client`` (a
+    TestClient of the real app) instead of a socket; returns the module. A call the
+    app refuses fails the test with the app's answer."""
+    import orchestrator.cli as cli
+    from orchestrator.commands import common
+
+    class AppClient:
+        def request(self, method: str, path: str, **kw: Any) -> Any:
+            kw.pop("retries", None)
+            r = client.request(method, path, **kw)
+            assert r.is_success, r.text
+            return r.json()
+
+    monkeypatch.setattr(cli, "Client", AppClient)
+    monkeypatch.setattr(common, "Client", AppClient)
+    return cli

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import logging
 from datetime import UTC, datetime
-from typing import Any
 
 from sqlalchemy import select
 
 from tests.planner.test_stored_task import RenderingLauncher
+from tests.testkit import cli_through
 
 SPEC_SECRET = "spec-secret-6f1d2c"
 CLI_SECRET = "cli-secret-9a8b7c"
@@ -43,18 +43,10 @@ def test_secrets_reach_the_launch_and_no_answer_event_log_or_cli_output(
 ):
     from typer.testing import CliRunner
 
-    import orchestrator.cli as cli
     from orchestrator.reconciler.loop import Reconciler
     from orchestrator.store.models import Job
 
-    class AppClient:
-        def request(self, method: str, path: str, **kw: Any) -> Any:
-            kw.pop("retries", None)
-            r = client.request(method, path, **kw)
-            assert r.is_success, r.text
-            return r.json()
-
-    monkeypatch.setattr(cli, "Client", AppClient)
+    cli = cli_through(client, monkeypatch)
     caplog.set_level(logging.DEBUG)
     tasks = client.app.state.settings.effective_skypilot_yaml_dir
     tasks.mkdir(parents=True, exist_ok=True)

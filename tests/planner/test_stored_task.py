@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from tests.testkit import FakeLauncher, job_spec
+from tests.testkit import FakeLauncher, cli_through, job_spec
 
 TASK = """\
 num_nodes: 3
@@ -159,16 +159,7 @@ def test_submit_prints_which_of_the_spec_and_the_yaml_decided(sky, client, monke
     """The CLI talks to this test's real app (TestClient) instead of over a socket."""
     from typer.testing import CliRunner
 
-    import orchestrator.cli as cli
-
-    class AppClient:
-        def request(self, method: str, path: str, **kw: Any) -> Any:
-            kw.pop("retries", None)
-            r = client.request(method, path, **kw)
-            assert r.is_success, r.text
-            return r.json()
-
-    monkeypatch.setattr(cli, "Client", AppClient)
+    cli = cli_through(client, monkeypatch)
     tasks = _tasks_dir(client)
     (tasks / "train.yaml").write_text(TASK)
     spec = tasks / "job.yaml"

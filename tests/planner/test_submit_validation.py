@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tests.testkit import job_spec
+from tests.testkit import cli_through, job_spec
 
 
 def _total(client: Any) -> int:
@@ -51,16 +51,7 @@ def test_submit_resolves_a_relative_task_path_against_the_spec_once(sky, client,
     The CLI talks to this test's real app (TestClient) instead of over a socket."""
     from typer.testing import CliRunner
 
-    import orchestrator.cli as cli
-
-    class AppClient:
-        def request(self, method: str, path: str, **kw: Any) -> Any:
-            kw.pop("retries", None)
-            r = client.request(method, path, **kw)
-            assert r.is_success, r.text
-            return r.json()
-
-    monkeypatch.setattr(cli, "Client", AppClient)
+    cli = cli_through(client, monkeypatch)
     tasks = client.app.state.settings.effective_skypilot_yaml_dir
     (tasks / "sub").mkdir(parents=True, exist_ok=True)
     (tasks / "sub" / "train.yaml").write_text("resources:\n  accelerators: A100:8\nrun: echo\n")
