@@ -19,6 +19,7 @@ and the next-newest complete checkpoint is offered instead.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -180,11 +181,9 @@ def drop_rank_shards(step_dir: Path, rank: int) -> None:
     disk the nodes share, another node's rank prunes whole directories (:func:`prune`)
     while this one lists it, and a listing whose directory is removed under it raises;
     a shard already gone is what was wanted."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         for p in step_dir.glob(f"__{rank}_*.distcp"):
             p.unlink(missing_ok=True)
-    except FileNotFoundError:
-        pass
 
 
 def step_path(root: Path, step: int) -> Path:

@@ -17,6 +17,7 @@ launch runs what was submitted whatever becomes of the file afterwards (#26).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import os
 import shutil
@@ -146,11 +147,9 @@ def stored_copy(text: str, name: str) -> Path:
     digest = hashlib.sha256(text.encode()).hexdigest()[:32]
     safe = Path(name).name or "task.yaml"
     path = _copies_dir() / digest / safe
-    try:
+    with contextlib.suppress(OSError):  # absent or unreadable: written below
         if path.read_text(encoding="utf-8") == text:
             return path
-    except OSError:
-        pass
     path.parent.mkdir(mode=0o700, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
