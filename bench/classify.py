@@ -42,7 +42,7 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 from orchestrator.domain import failure_model  # noqa: E402
-from orchestrator.domain.failures import FailureClass, classify_failure  # noqa: E402
+from orchestrator.domain.failures import CLASSIFIABLE, FailureClass, classify_failure  # noqa: E402
 
 CORPUS_DIR = _ROOT / "tests" / "failures" / "corpus"
 
@@ -236,12 +236,12 @@ def score(items: Sequence[Excerpt], model: Callable[[Excerpt], str] = predict) -
     )
 
 
-_ABBREV = {str(c): "".join(w[0] for w in str(c).split("_")) for c in FailureClass}
+_ABBREV = {str(c): "".join(w[0] for w in str(c).split("_")) for c in CLASSIFIABLE}
 _ABBREV.update({"nccl_timeout": "nt", "nccl_transport": "ntr", "node_lost": "nl"})
 
 
 def _print_confusion(s: Score) -> None:
-    labels = [str(c) for c in FailureClass]
+    labels = [str(c) for c in CLASSIFIABLE]
     rows = [lab for lab in labels if any(k[0] == lab for k in s.confusion)]
     cols = [lab for lab in labels if any(k[1] == lab for k in s.confusion)]
     print("confusion (rows: label, columns: predicted)")
@@ -269,7 +269,7 @@ def sources_markdown(corpus: Sequence[Excerpt]) -> str:
         "| class | excerpts | projects |",
         "|---|---|---|",
     ]
-    for c in FailureClass:
+    for c in CLASSIFIABLE:
         ps = {project_key(e.project) for e in corpus if e.label == str(c)}
         out.append(f"| `{c}` | {labels[str(c)]} | {len(ps)} |")
     out += ["", "| project | split | excerpts | classes | threads |", "|---|---|---|---|---|"]
@@ -286,7 +286,7 @@ def examples_markdown(items: Sequence[Excerpt]) -> str:
     """One real excerpt per class (the shortest that the classifier gets right), for
     docs/failures.md."""
     out: list[str] = []
-    for c in FailureClass:
+    for c in CLASSIFIABLE:
         mine = sorted(
             (e for e in items if e.label == str(c) and predict(e) == e.label),
             key=lambda e: (len(e.excerpt), e.id),
@@ -327,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{r.accuracy:.1%} ({r.correct}/{r.n}) (the fallback was trained on this part: "
             "scripts/train_classifier.py prints its cross-validated figure)"
         )
-        for c in FailureClass:
+        for c in CLASSIFIABLE:
             dc, dn = d.per_class.get(str(c), (0, 0))
             if dn:
                 print(f"{c!s:22} {dc}/{dn} {dc / dn:4.0%}")
@@ -366,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return f"{k}/{n} {k / n:4.0%}" if n else "-"
 
     print(f"{'class':22} {'held-out':>14} {'rules alone':>14} {'dev':>14} {'rules alone':>14}")
-    for c in FailureClass:
+    for c in CLASSIFIABLE:
         if str(c) in h.per_class or str(c) in d.per_class:
             print(f"{c!s:22} {cell(h, c):>14} {cell(hr, c):>14} {cell(d, c):>14} {cell(dr, c):>14}")
     print("held out, rules + learned fallback:")

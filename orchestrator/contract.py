@@ -111,6 +111,20 @@ class Env:
     MICRO_BATCH = "SKYRESUME_RUN_MICRO_BATCH"
     GRAD_ACCUM = "SKYRESUME_RUN_GRAD_ACCUM"
     GLOBAL_BATCH = "SKYRESUME_RUN_GLOBAL_BATCH"
+    #: Elastic runs (a spec with ``min_nodes`` below ``num_nodes``): the world size the
+    #: spec's global batch and learning rate are for (``num_nodes * ranks_per_node``), so
+    #: a rank on a shrunk group knows how its world differs from the full one.
+    FULL_WORLD_SIZE = "SKYRESUME_RUN_FULL_WORLD_SIZE"
+    #: ``keep`` (the default: the global batch stays, each rank accumulates more) or
+    #: ``scale`` (the global batch follows the world size, the learning rate follows
+    #: ``ELASTIC_LR``).
+    ELASTIC_BATCH = "SKYRESUME_RUN_ELASTIC_BATCH"
+    #: ``linear`` or ``sqrt``: how the learning rate follows a scaled global batch.
+    ELASTIC_LR = "SKYRESUME_RUN_ELASTIC_LR"
+    #: ``1``: the node is a replacement held ready beside a shrunk group. Its agent
+    #: registers, heartbeats and runs its health checks, and starts no ranks: the
+    #: group grows onto it in a later attempt, which restarts it in place.
+    STANDBY = "SKYRESUME_RUN_STANDBY"
     #: A JSON file the agent rewrites when the service pushes a new setting while the
     #: job runs (``{"checkpoint_every": N}``; for chaos ``"inject_fault": {"kind":
     #: FaultKind, "token": str, "rank": int | None}``, acted on once per token by the
@@ -189,6 +203,11 @@ class EventKind(StrEnum):
     REPLANNED = "replanned"  # a refused launch's attempt moved to the next placement
     INCIDENT = "incident"  # one per failed attempt; its protocol steps hang off it
     CHECKPOINT_CONFIRMED = "checkpoint_confirmed"  # CONFIRM's finding
+    # The reconciler, elastic runs: a shrunk group's replacement is up, and the group
+    # grows back onto it at the next step boundary (opens a planned incident: the
+    # ranks save, and every node restarts in place at the full size).
+    GROW = "grow"
+    ELASTIC = "elastic"  # the reconciler: a shrink, wait or grow decision, or a spare lost
     CHECKPOINT_INTERVAL = "checkpoint_interval"  # a new interval pushed to the ranks
     CHAOS = "chaos"  # an operator injected a fault
     PLAIN_SCRIPT = "plain_script"  # the reconciler: the ranks send no progress reports

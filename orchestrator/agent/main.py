@@ -133,6 +133,10 @@ class AgentConfig:
     min_allreduce_gbps: float = 0.0
     """All-reduce bus bandwidth across the nodes the job needs before training; 0: none."""
     allreduce_check_port: int | None = None
+    standby: bool = False
+    """A replacement held ready beside a shrunk group (``Env.STANDBY``): register,
+    heartbeat and check the node, start no ranks, ignore stop commands (it has no
+    ranks to stop) until the group grows onto it or it is given back."""
     """The check's TCP store port on the master node (default: master port + 1)."""
     ca_pem: str | None = None
     """PEM certificates an ``https://`` service URL is verified against; None: the
@@ -439,6 +443,7 @@ def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> Age
     heartbeat_s = pick(a.heartbeat_s, NodeEnv.HEARTBEAT_S, _number, 1.0)
     poll_s = pick(a.poll_s, NodeEnv.POLL_S, _number, 1.0)
     task_id = (env.get(NodeEnv.TASK_ID) or None) if a.from_env else None
+    standby = a.from_env and (env.get(Env.STANDBY) or "").strip() == "1"
 
     if attempt < 0:
         raise UsageError(f"--attempt must be >= 0, got {attempt}")
@@ -502,8 +507,11 @@ def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> Age
         min_free_disk_gb=a.min_free_disk_gb,
         max_clock_skew_s=a.max_clock_skew_s,
         store_timeout_s=a.store_timeout_s,
-        min_allreduce_gbps=a.min_allreduce_gbps,
+        # A standby node has no peers to all-reduce with until the group grows onto it
+        # (the grow restarts it in place, and the check runs then).
+        min_allreduce_gbps=0.0 if standby else a.min_allreduce_gbps,
         allreduce_check_port=check_port,
+        standby=standby,
         ca_pem=ca_pem,
         sky_task_id=task_id,
         print_config=a.print_config,
@@ -1015,6 +1023,9 @@ class Agent:
     def handle_command(self, cmd: dict[str, Any]) -> None:
         kind, args = cmd.get("type"), cmd.get("args") or {}
         log.info("command %s %s %s", cmd.get("seq"), kind, args)
+        if self.cfg.standby and kind in (CommandType.CHECKPOINT_AND_STOP, CommandType.STOP):
+            log.info("standby: no ranks to stop; staying up for the group to grow onto")
+            return
         if kind == CommandType.CHECKPOINT_AND_STOP:
             grace = args.get("grace_s")
             grace = (
@@ -1480,6 +1491,8 @@ class Agent:
         if self.cfg.health_checks and not self.check_health():
             self._finish()
             return EXIT_HEALTH_CHECK_FAILED
+        if self.cfg.standby:
+            return self._stand_by()
         if not self.stage_checkpoint():
             self._finish()
             return EXIT_STAGE_FAILED
@@ -1513,6 +1526,19 @@ class Agent:
         log.info("node exit %d: %s", code, reason)
         self._finish()
         return code
+
+    def _stand_by(self) -> int:
+        """A spare beside a shrunk group: heartbeat (the threads do) and start nothing,
+        until stopped. The grow restarts this node in place as a new attempt (a new
+        agent on the same machine, which stages and starts ranks); a teardown stops it."""
+        log.info("standby: registered; no ranks until the group grows onto this node")
+        while self._signal_received is None and not self._exit.is_set():
+            if self.superseded is not None:
+                log.info("standby: superseded (%s); exiting", self.superseded)
+                break
+            time.sleep(0.5)
+        self._finish()
+        return EXIT_OK
 
     def _finish(self) -> None:
         if self.client is not None:

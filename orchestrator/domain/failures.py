@@ -64,6 +64,11 @@ class FailureClass(StrEnum):
     CAPACITY_UNAVAILABLE = "capacity_unavailable"  # the cloud had no instances to give
     USER_CODE_ERROR = "user_code_error"  # a Python exception in the user's script
     UNKNOWN = "unknown"  # nothing recognisable; restart limits bound the retries
+    # No failure: an elastic run's planned return to full size once its replacement is
+    # up (``EventKind.GROW``). It opens an incident so that the reshape runs the same
+    # protocol (save at the step boundary, confirm, restart, validate) and its pause is
+    # measured like any other.
+    ELASTIC_GROW = "elastic_grow"
 
 
 _F = FailureClass
@@ -71,6 +76,11 @@ _F = FailureClass
 #: Whether another attempt can succeed. Only a bug in the user's code cannot be fixed by
 #: retrying (the policy still fails fast after repeats of other classes via limits).
 RETRYABLE: dict[FailureClass, bool] = {c: c is not _F.USER_CODE_ERROR for c in FailureClass}
+
+#: Classes no log or report is classified as: the reconciler's own planned reshapes.
+PLANNED: frozenset[FailureClass] = frozenset({_F.ELASTIC_GROW})
+#: What the classifier can answer (every class but the planned ones).
+CLASSIFIABLE: tuple[FailureClass, ...] = tuple(c for c in FailureClass if c not in PLANNED)
 
 
 @dataclass(frozen=True)

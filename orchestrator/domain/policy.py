@@ -59,6 +59,7 @@ class RecoveryAction(StrEnum):
     WAIT_RETRY_ELSEWHERE = "wait_retry_elsewhere"  # back off, next region/cloud
     RESTART_THEN_FAIL_FAST = "restart_then_fail_fast"  # one retry for user errors
     FAIL_FAST = "fail_fast"  # stop the job; retrying cannot help
+    GROW_BACK = "grow_back"  # an elastic run returns to full size onto its replacement
 
 
 _F = FailureClass
@@ -83,6 +84,7 @@ POLICY: dict[FailureClass, RecoveryAction] = {
     _F.CAPACITY_UNAVAILABLE: _A.WAIT_RETRY_ELSEWHERE,
     _F.USER_CODE_ERROR: _A.RESTART_THEN_FAIL_FAST,
     _F.UNKNOWN: _A.RESTART_IN_PLACE,
+    _F.ELASTIC_GROW: _A.GROW_BACK,
 }
 
 #: Classes whose failures count against the region (the cloud took the node back).

@@ -28,12 +28,13 @@ from datetime import datetime
 from enum import StrEnum
 
 from orchestrator.contract import AttemptState, CommandType, EventKind, ExitCode
+from orchestrator.domain import elastic as el
 from orchestrator.domain import remedy as rm
 from orchestrator.domain import silence as sl
 from orchestrator.domain.advisor import collective_timeout_s, interval_changed_meaningfully
 from orchestrator.domain.failures import FailureClass
 from orchestrator.domain.memory import BatchNotDivisible, DoesNotFit, plan_memory
-from orchestrator.domain.plan import Placement
+from orchestrator.domain.plan import Placement, TrainingKnobs
 from orchestrator.domain.planner import Candidate, FailureRecord
 from orchestrator.domain.policy import RecoveryAction
 from orchestrator.domain.protocol import ORDER, ProtocolStep, StepOutcome
@@ -54,6 +55,7 @@ FAILURE_KINDS = frozenset(
         EventKind.STUCK,
         EventKind.ANOMALY,
         EventKind.HEALTH_CHECK,
+        EventKind.GROW,
     }
 )
 #: Rank exits that are not failures: a clean finish, and a save after a stop request.
@@ -61,7 +63,7 @@ CLEAN_EXITS = frozenset({int(ExitCode.OK), int(ExitCode.PREEMPTED_SAVED)})
 #: Rank exits that mean "do not train on this checkpoint": the job stops, never retries.
 REFUSALS = frozenset({int(ExitCode.RESUME_MISMATCH), int(ExitCode.CHECKPOINT_INVALID)})
 #: Classes after which the ranks can still save together (every node is alive).
-SAVE_CLASSES = frozenset({_F.PREEMPTION_NOTICE, _F.SLOW_PEER})
+SAVE_CLASSES = frozenset({_F.PREEMPTION_NOTICE, _F.SLOW_PEER, _F.ELASTIC_GROW})
 #: Classes whose ranks are stuck: their stacks are taken before they are stopped.
 STACK_CLASSES = frozenset({_F.NCCL_TIMEOUT, _F.RENDEZVOUS_FAILURE})
 
@@ -90,6 +92,7 @@ CAUSE_ORDER: tuple[frozenset[FailureClass], ...] = (
     frozenset({_F.NCCL_TRANSPORT, _F.NCCL_TIMEOUT, _F.RENDEZVOUS_FAILURE, _F.CAPACITY_UNAVAILABLE}),
     frozenset({_F.EXTERNAL_TERMINATION}),
     frozenset({_F.UNKNOWN}),
+    frozenset({_F.ELASTIC_GROW}),  # a planned grow yields to any failure beside it
 )
 
 
@@ -123,6 +126,8 @@ class ReconcileConfig:
     silence: sl.SilenceConfig = field(default_factory=sl.SilenceConfig)
     """When silence counts against a node (``domain.silence``): intake, stalls,
     disruption."""
+    elastic: el.ElasticConfig = field(default_factory=el.ElasticConfig)
+    """Whether an elastic run shrinks onto its survivors (``domain.elastic``)."""
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,8 @@ class LaunchVerb(StrEnum):
     JOIN_SURVIVORS = "join_survivors"  # the kept nodes restart; replacements launch beside
     REFILL = "refill"  # launched onto the last attempt's cluster: the cloud keeps its
     #                    running nodes and provisions the missing ones
+    SHRINK = "shrink"  # elastic: the kept nodes restart at once as a smaller group; the
+    #                    replacements launch beside them as standby (``AttemptView.spare``)
 
 
 @dataclass(frozen=True)
@@ -270,6 +277,26 @@ class StagedView:
 
 
 @dataclass(frozen=True)
+class SpareView:
+    """A shrunk attempt's replacements (``LaunchVerb.SHRINK``): launched beside the
+    group as standby, training nothing, until the group grows back onto them."""
+
+    count: int
+    """How many were asked for."""
+    nodes: tuple[NodeView, ...] = ()
+    """Those whose agents registered (node ranks after the training group's)."""
+    progress: LaunchProgress | None = None
+    """Their launch request's progress, read until they are up (None: up, or unread)."""
+    up: bool = False
+    """The launcher reported them all up."""
+    released: bool = False
+    """Given back (lost, or never came): the job runs on at its shrunk size."""
+    failures: tuple[Failure, ...] = ()
+    """Failures reported by or about a spare (a health check, a lost spare): they end
+    the spare, never the training group's attempt."""
+
+
+@dataclass(frozen=True)
 class AttemptView:
     number: int
     state: str
@@ -304,6 +331,12 @@ class AttemptView:
     launches: int = 1
     """How many launches the attempt runs on (kept nodes and their replacements are
     two): a restart in place of several restarts them as one group."""
+    spare: SpareView | None = None
+    """A shrunk attempt's standby replacements (not in ``nodes``, not in the world:
+    ``num_nodes`` counts the training group only)."""
+    full_nodes: int | None = None
+    """The node count it was placed for when it trains on fewer (a shrunk attempt):
+    the spec's ``num_nodes``. None: it trains on every node it was placed for."""
 
     @property
     def provisioning(self) -> bool:
@@ -365,6 +398,9 @@ class Selection:
     keep: tuple[str, ...] = ()
     """The failed attempt's nodes that stay (a refill or a join), in node-rank order."""
     keep_hosts: tuple[str, ...] = ()
+    train_nodes: int | None = None
+    """A shrink: the kept nodes train alone as a group of this many while the
+    replacements of ``placement.num_nodes`` come up beside them."""
 
 
 @dataclass(frozen=True)
@@ -469,6 +505,10 @@ class JobSnapshot:
     node. Empty: nothing is known, silence counts as it is (since ``heard_since``)."""
     degraded_noted: bool = False
     """A ``control_plane_degraded`` event was recorded for the newest attempt."""
+    provision_s: tuple[float, ...] = ()
+    """Measured provisioning times (request accepted to every node up) of recent fresh
+    launches in the newest attempt's cloud and region, any job's: what a
+    replacement is expected to take (``domain.elastic``)."""
 
     @property
     def num_nodes(self) -> int:
@@ -523,6 +563,9 @@ class RecordAttempt:
     """Nodes of the failed attempt that stay (healthy): they take node ranks 0..k-1 and
     restart in place; only the rest is launched, beside them."""
     keep_hosts: tuple[str, ...] = ()
+    train_nodes: int | None = None
+    """A shrink (``LaunchVerb.SHRINK``): the first this many nodes (the kept ones) are
+    the training group; the rest of ``placement.num_nodes`` launch as standby."""
 
 
 @dataclass(frozen=True)
@@ -641,6 +684,15 @@ class MarkValidated:
     step: int
 
 
+@dataclass(frozen=True)
+class ReleaseSpare:
+    """Give back a shrunk attempt's standby replacements (lost, or never up): the
+    attempt goes on training at its shrunk size."""
+
+    attempt: int
+    reason: str
+
+
 Action = (
     SetStatus
     | RecordAttempt
@@ -656,6 +708,7 @@ Action = (
     | SendCommand
     | Release
     | MarkValidated
+    | ReleaseSpare
 )
 
 
@@ -999,7 +1052,61 @@ def decide(s: JobSnapshot, cfg: ReconcileConfig | None = None) -> list[Action]:
             if s.status is JobStatus.PROVISIONING:
                 plain.append(SetStatus(JobStatus.RUNNING, start.status))
             return plain
+    if a.spare is not None and a.validated_step is not None:
+        return _spare(s, a, a.spare, cfg)
     return []
+
+
+# --- elastic: the shrunk group's spare --------------------------------------------------
+
+
+def _spare(s: JobSnapshot, a: AttemptView, sp: SpareView, cfg: ReconcileConfig) -> list[Action]:
+    """A shrunk attempt that trains: grow back once every replacement registered, or
+    give them up (and run on shrunk) when they failed or never came."""
+    if sp.released:
+        return []
+    lost = _spare_lost(s, a, sp, cfg)
+    if lost is not None:
+        text = (
+            f"replacement lost: {lost}; training goes on at {a.num_nodes} of "
+            f"{a.full_nodes or a.num_nodes} nodes (min_nodes {s.spec.effective_min_nodes})"
+        )
+        return [RecordNote(EventKind.ELASTIC, a.number, text), ReleaseSpare(a.number, lost)]
+    if len(sp.nodes) >= sp.count:
+        ids = ", ".join(n.node_id for n in sp.nodes)
+        return [
+            RecordFailure(
+                EventKind.GROW,
+                _F.ELASTIC_GROW,
+                None,
+                f"replacement{'s' if sp.count > 1 else ''} {ids} registered: growing from "
+                f"{a.num_nodes} to {a.num_nodes + sp.count} nodes at the next step boundary",
+            )
+        ]
+    return []
+
+
+def _spare_lost(s: JobSnapshot, a: AttemptView, sp: SpareView, cfg: ReconcileConfig) -> str | None:
+    """Why the spare is given up, or None while it may still come."""
+    if sp.failures:
+        f = sp.failures[0]
+        return f"{f.node_id or 'a spare'}: {f.failure_class}: {f.message}"[:500]
+    if sp.progress is not None and sp.progress.phase is LaunchPhase.FAILED:
+        return f"its launch failed: {sp.progress.detail or 'the provider failed it'}"
+    waited = _age(s.now, a.requested_at)
+    limit = s.spec.restarts.provision_timeout_s
+    if not sp.up and len(sp.nodes) < sp.count and waited > limit:
+        return f"not provisioned after {waited:.0f} s (provision_timeout_s {limit:.0f})"
+    if len(sp.nodes) < sp.count and waited > limit + cfg.register_timeout_s:
+        return f"up, but not every agent registered in {waited:.0f} s"
+    blind = sl.deafness(s.intake, s.now, cfg.silence)
+    for n in sp.nodes:
+        if n.alive is False:
+            return f"{n.node_id} is gone"
+        quiet = _silence(s, n.last_heartbeat_at, blind, cfg)
+        if quiet > s.heartbeat_timeout_s:
+            return f"{n.node_id} silent for {quiet:.0f} s"
+    return None
 
 
 def _fail(a: AttemptView | None, reason: str) -> list[Action]:
@@ -1057,7 +1164,7 @@ def _protocol(
     if step is _P.CONFIRM_CHECKPOINT:
         return start + _confirm(s, a, inc)
     if step is _P.SELECT_REPLACEMENT:
-        return start + _select(s, a, inc)
+        return start + _select(s, a, inc, cfg)
     if step is _P.LAUNCH:
         if a.number <= inc.attempt:
             return start + _record_relaunch(s, a, inc)
@@ -1224,6 +1331,15 @@ def survivors(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> tuple[str, .
     return kept if 0 < len(kept) < a.num_nodes else ()
 
 
+def _kept(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> tuple[str, ...]:
+    """The nodes the relaunch keeps: for a grow, every node of the shrunk group and
+    its replacements (each restarts in place, in node-rank order); else the survivors."""
+    if inc.failure_class is _F.ELASTIC_GROW:
+        spare = a.spare.nodes if a.spare is not None else ()
+        return tuple(n.node_id for n in sorted((*a.nodes, *spare), key=lambda n: n.node_rank))
+    return survivors(s, a, inc)
+
+
 def _confirm(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
     i, step = inc.event_id, _P.CONFIRM_CHECKPOINT
     listing = s.listing
@@ -1268,8 +1384,12 @@ def _confirm(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
             f"step_{choice.step} complete on all ranks (manifest + COMMIT): {choice.reason}; "
             f"last step seen {last}; {lost}"
         )
-    kept = survivors(s, a, inc)
+    kept = _kept(s, a, inc)
     gone = tuple(n.node_id for n in a.nodes if n.node_id not in kept) if kept else ()
+    if kept and a.spare is not None and not a.spare.released:
+        # An incident of a shrunk group other than its grow gives the spare back: the
+        # relaunch is planned from the survivors as for any job.
+        gone += tuple(n.node_id for n in a.spare.nodes if n.node_id not in kept)
     return [
         FinishStep(
             i,
@@ -1289,7 +1409,9 @@ def _confirm(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
     ]
 
 
-def _select(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
+def _select(
+    s: JobSnapshot, a: AttemptView, inc: IncidentView, cfg: ReconcileConfig
+) -> list[Action]:
     i, step = inc.event_id, _P.SELECT_REPLACEMENT
     spec = s.spec
     r = spec.restarts
@@ -1312,6 +1434,8 @@ def _select(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
         return fail(refused)
     action = rm.remedy_for(inc.failure_class)
     failed = a.placement
+    if action is _A.GROW_BACK:
+        return _select_grow(s, a, inc)
     notes: list[str] = []
     knobs = failed.knobs if failed is not None else None
     if action is _A.REPLAN_MEMORY:
@@ -1356,6 +1480,24 @@ def _select(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
             f"{failed.cloud}/{failed.region}"
             + (" (a refill of its cluster)" if verb is LaunchVerb.REFILL else "")
         )
+        if spec.elastic_nodes:
+            times = [r.step_time for n in a.nodes for r in n.ranks if r.step_time is not None]
+            shrink = el.choose_shrink(
+                spec,
+                len(kept),
+                provision_s=s.provision_s,
+                startup_s=s.startup_s,
+                step_time_s=max(times) if times else None,
+                cfg=cfg.elastic,
+            )
+            if shrink.shrink and verb is LaunchVerb.JOIN_SURVIVORS:
+                why = [shrink.reason, *notes]
+                return _select_shrink(s, a, inc, kept, placement, exclude_hosts, why)
+            notes.append(
+                shrink.reason
+                if not shrink.shrink
+                else f"not shrinking: a {verb} keeps the group whole ({shrink.reason})"
+            )
     elif action in SAME_HARDWARE and failed is not None:
         placement = rm.same_placement(failed, knobs)
         where = f"same placement ({failed.cloud}/{failed.region}), new nodes"
@@ -1391,6 +1533,83 @@ def _select(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
         keep_hosts=tuple(a.host_of(n) or "" for n in kept),
     )
     return [FinishStep(i, step, StepOutcome.OK, text, result)]
+
+
+def knobs_for_world(spec: JobSpec, knobs: TrainingKnobs | None, nodes: int) -> TrainingKnobs | None:
+    """The knobs of a placement recomputed for a group of ``nodes`` (an elastic run's
+    shrunk or regrown world): the micro-batch stays, the accumulation makes up the
+    per-rank batch (``elastic.batch: keep``: the global batch stays; ``scale``: it
+    follows the world). None: no knobs, or a batch that does not split (the spec's
+    validation refuses those)."""
+    if knobs is None or spec.model is None:
+        return knobs
+    world = nodes * spec.ranks_per_node
+    full = spec.num_nodes * spec.ranks_per_node
+    g = spec.model.global_batch
+    if spec.elastic.batch == "scale":
+        g = g * world // full
+    if g % world:
+        return knobs
+    per_rank = g // world
+    micro = min(knobs.micro_batch, per_rank)
+    while per_rank % micro:
+        micro -= 1
+    return replace(knobs, micro_batch=micro, grad_accum=per_rank // micro)
+
+
+def _select_shrink(
+    s: JobSnapshot, a: AttemptView, inc: IncidentView, kept: tuple[str, ...],
+    placement: Placement, exclude_hosts: set[str], notes: list[str],
+) -> list[Action]:  # fmt: skip
+    """SELECT for an elastic shrink: the kept nodes train at once as a group of their
+    own; the replacements are launched beside them as standby, for the grow."""
+    n, k = s.spec.num_nodes, len(kept)
+    placement = replace(placement, num_nodes=n, knobs=knobs_for_world(s.spec, placement.knobs, k))
+    where = (
+        f"shrink: the {k} healthy node{'s' if k > 1 else ''} ({', '.join(kept)}) train at once "
+        f"as a group of {k}; {n - k} replacement{'s' if n - k > 1 else ''} launch beside "
+        f"them in {placement.cloud}/{placement.region} as standby, and the group grows back "
+        f"to {n} once they are up"
+    )
+    result = Selection(
+        remedy=rm.remedy_for(inc.failure_class),
+        placement=placement,
+        verb=LaunchVerb.SHRINK,
+        exclude_hosts=tuple(sorted(exclude_hosts)),
+        keep=kept,
+        keep_hosts=tuple(a.host_of(x) or "" for x in kept),
+        train_nodes=k,
+    )
+    text = "; ".join([where, *notes])
+    return [FinishStep(inc.event_id, _P.SELECT_REPLACEMENT, StepOutcome.OK, text, result)]
+
+
+def _select_grow(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
+    """SELECT for a grow: every node of the shrunk group and its replacements restart
+    in place as one group of the full size (nothing is provisioned)."""
+    kept = _kept(s, a, inc)
+    failed = a.placement
+    if failed is None or len(kept) < (a.full_nodes or 0):
+        reason = f"grow: {len(kept)} nodes known, {a.full_nodes} needed"
+        return [FinishStep(inc.event_id, _P.SELECT_REPLACEMENT, StepOutcome.FAILED, reason),
+                *_fail(a, reason)]  # fmt: skip
+    placement = replace(
+        failed, num_nodes=len(kept), knobs=knobs_for_world(s.spec, failed.knobs, len(kept))
+    )
+    result = Selection(
+        remedy=_A.GROW_BACK,
+        placement=placement,
+        verb=LaunchVerb.JOIN_SURVIVORS,
+        exclude_hosts=tuple(sorted(s.excluded_hosts)),
+        keep=kept,
+        keep_hosts=tuple(a.host_of(x) or "" for x in kept),
+    )
+    text = (
+        f"grow_back: {a.num_nodes} training nodes and {len(kept) - a.num_nodes} replacement"
+        f"{'s' if len(kept) - a.num_nodes > 1 else ''} restart in place as one group of "
+        f"{len(kept)} ({', '.join(kept)})"
+    )
+    return [FinishStep(inc.event_id, _P.SELECT_REPLACEMENT, StepOutcome.OK, text, result)]
 
 
 def _stage(s: JobSnapshot, a: AttemptView, inc: IncidentView, cfg: ReconcileConfig) -> list[Action]:
@@ -1486,6 +1705,7 @@ def _record_relaunch(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[
             stage_from=stage_from,
             keep=selected.keep,
             keep_hosts=selected.keep_hosts,
+            train_nodes=selected.train_nodes,
         ),
     ]
 
@@ -1633,6 +1853,9 @@ def launch_verb(a: AttemptView) -> LaunchVerb:
 
 def _how_launched(a: AttemptView) -> str:
     verb, kept, n = launch_verb(a), len(a.keep), a.num_nodes
+    if verb is LaunchVerb.SHRINK:
+        spare = a.spare.count if a.spare is not None else 0
+        return f"{kept} kept, training as a group of {n}; {spare} launching beside as standby"
     if verb is LaunchVerb.RESTART_IN_PLACE or (verb is LaunchVerb.JOIN_SURVIVORS and kept >= n):
         return "restarted in place"
     if verb is LaunchVerb.REFILL:

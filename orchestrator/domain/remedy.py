@@ -131,7 +131,8 @@ def refuse_to_continue(
                     f"{failure_class} at step {onset_step} {seen} times: rolling back "
                     "reproduces it (try on_anomaly: rollback_skip)"
                 )
-    if restarts_done >= max_restarts:
+    if restarts_done >= max_restarts and failure_class is not _F.ELASTIC_GROW:
+        # A grow is no failure: it never ends the job (a failure after it may).
         return f"restart limit reached ({max_restarts} restarts)"
     return None
 

@@ -341,6 +341,28 @@ class RestartPolicy(_Strict):
     the ranks to stop (an incident's SIGNAL) is then read as stopped, and restarted."""
 
 
+class ElasticPolicy(_Strict):
+    """How an elastic run (``min_nodes`` below ``num_nodes``) keeps its math when it
+    trains on fewer nodes than the spec's ``num_nodes`` (``domain.elastic``)."""
+
+    batch: Literal["keep", "scale"] = "keep"
+    """``keep``: the global batch stays the spec's on any world size, each rank
+    accumulating more (the math of an uninterrupted run). ``scale``: the global batch
+    follows the world size (``global_batch * world / full world``) and the learning
+    rate follows ``lr``."""
+    lr: Literal["linear", "sqrt"] = "linear"
+    """With ``batch: scale``: the learning rate times ``world / full`` (linear) or its
+    square root (sqrt)."""
+    shrink: Literal["auto", "always", "never"] = "auto"
+    """``auto``: shrink onto the survivors when the expected wait for a replacement
+    (measured from the placement history) costs more training than the two reshapes
+    (shrink, then grow) do; ``always``: shrink whenever the survivors are enough;
+    ``never``: wait for a full set, as a job without ``min_nodes`` does."""
+    expected_provision_s: float | None = Field(default=None, gt=0, le=7 * 86400)
+    """The replacement's expected provisioning time when nothing was measured for the
+    placement yet. None: the service's default (``ElasticConfig``)."""
+
+
 class JobSpec(_Strict):
     name: str
     task: TaskSpec
@@ -367,6 +389,8 @@ class JobSpec(_Strict):
     model: ModelProfile | None = None
     checkpoint: CheckpointSpec
     restarts: RestartPolicy = Field(default_factory=RestartPolicy)
+    elastic: ElasticPolicy = Field(default_factory=ElasticPolicy)
+    """Only read when ``min_nodes`` is below ``num_nodes``."""
 
     @model_validator(mode="before")
     @classmethod
@@ -413,7 +437,35 @@ class JobSpec(_Strict):
             return self  # the YAML's count, checked once it is filled in
         if self.min_nodes is not None and self.min_nodes > self.num_nodes:
             raise ValueError(f"min_nodes ({self.min_nodes}) exceeds num_nodes ({self.num_nodes})")
+        self._elastic_batch()
         return self
+
+    def _elastic_batch(self) -> None:
+        """An elastic run's global batch must split evenly over every world size it may
+        train on (``keep``), or scale to a whole batch that does (``scale``)."""
+        if self.model is None or not self.elastic_nodes:
+            return
+        g, per = self.model.global_batch, self.ranks_per_node
+        for n in self.elastic_nodes:
+            world = n * per
+            if self.elastic.batch == "keep" and g % world:
+                raise ValueError(
+                    f"model.global_batch {g} cannot be split evenly over {world} ranks "
+                    f"({n} nodes x {per}), a world size between min_nodes "
+                    f"({self.effective_min_nodes}) and num_nodes ({self.num_nodes}) may "
+                    "train on (elastic.batch: keep)"
+                )
+            if self.elastic.batch == "scale" and (g * world) % (self.num_nodes * per):
+                raise ValueError(
+                    f"model.global_batch {g} does not scale to a whole batch on {n} nodes "
+                    f"(x {n}/{self.num_nodes}; elastic.batch: scale)"
+                )
+
+    @property
+    def elastic_nodes(self) -> tuple[int, ...]:
+        """The smaller node counts an elastic run may train on, largest first (empty
+        when ``min_nodes`` is ``num_nodes``: the job waits for a full set)."""
+        return tuple(range(self.num_nodes - 1, self.effective_min_nodes - 1, -1))
 
     @property
     def num_nodes_given(self) -> bool:

@@ -283,6 +283,8 @@ class Reconciler:
                 self._release(s, job_id, number, reason, now, keep_nodes=keep, release=gone)
             case rc.MarkValidated(attempt=number, step=step):
                 work.mark_validated(s, job_id, number, step, now)
+            case rc.ReleaseSpare(attempt=number, reason=reason):
+                self._release_spare(s, job_id, number, reason)
 
     def _set_status(
         self, s: Session, job_id: str, st: JobStatus, reason: str, now: datetime
@@ -311,6 +313,17 @@ class Reconciler:
                 hosts = [h for n, h in zip(part.node_ids, part.hosts, strict=False) if n in release]
                 if ids:
                     self._down(job_id, replace(part, node_ids=tuple(ids), hosts=tuple(hosts)))
+
+    def _release_spare(self, s: Session, job_id: str, number: int, reason: str) -> None:
+        """Give back a shrunk attempt's standby launch; the attempt trains on."""
+        a = attempt_row(s, job_id, number)
+        if a is None:
+            return
+        spare = records.launch_plan_of(a).spare_cluster
+        for part in parts_of(a):
+            if part.cluster_name == spare:
+                self._down(job_id, part)
+        work.spare_released(a, reason)
 
     def _give_back(self, s: Session, job_id: str, number: int, reason: str) -> None:
         """Tear down every launch of the attempt (kept nodes included: whoever asks
@@ -432,6 +445,10 @@ class Reconciler:
         if spec.model is not None:
             env[Env.GLOBAL_BATCH] = str(spec.model.global_batch)
             env[Env.MICRO_BATCH] = str(spec.model.micro_batch)
+        if spec.elastic_nodes:
+            env[Env.FULL_WORLD_SIZE] = str(spec.num_nodes * spec.ranks_per_node)
+            env[Env.ELASTIC_BATCH] = spec.elastic.batch
+            env[Env.ELASTIC_LR] = spec.elastic.lr
         if placement.knobs is not None:
             env[Env.MICRO_BATCH] = str(placement.knobs.micro_batch)
             env[Env.GRAD_ACCUM] = str(placement.knobs.grad_accum)
@@ -450,8 +467,13 @@ class Reconciler:
         )
         previous = attempt_row(s, job.id, number - 1)
         before = parts_of(previous) if previous is not None else []
+        shrink: _Shrink | None = None
         try:
-            parts = self._ask(verb, request, previous, before, plan, s)
+            if verb is rc.LaunchVerb.SHRINK:
+                shrink = self._shrink(s, request, previous, plan)
+                parts = [*shrink.group, *([shrink.spare] if shrink.spare else [])]
+            else:
+                parts = self._ask(verb, request, previous, before, plan, s)
         except SubmitUncertain as e:
             # The provider may hold the request: the next tick asks for the same key
             # (adopting what was accepted), never a new one, and no failure is counted.
@@ -465,6 +487,8 @@ class Reconciler:
             return
         crash_point("launch-accepted", number)
         work.attempt_started(s, a, parts, now, verb)
+        if shrink is not None:
+            work.spare_launched(s, a, shrink.spare, shrink.refused, now)
 
     def _ask(
         self, verb: rc.LaunchVerb, request: LaunchRequest, previous: Attempt | None,
@@ -523,6 +547,35 @@ class Reconciler:
             )
         return parts
 
+    def _shrink(
+        self, s: Session, request: LaunchRequest, previous: Attempt | None,
+        plan: records.LaunchPlan,
+    ) -> _Shrink:  # fmt: skip
+        """An elastic shrink: the kept nodes restart in place at once as a group of
+        their own (``train_nodes``); the replacements launch beside them as standby
+        (``Env.STANDBY``: their agents register and start no ranks) for the grow. A
+        refused standby launch does not hold the group back: it trains on shrunk,
+        and the refusal is recorded (``spare_launched``)."""
+        if previous is None or not plan.keep:
+            raise LaunchError("a shrink needs the last attempt's kept nodes, and none are recorded")
+        n = request.placement.num_nodes
+        k = plan.train_nodes or len(plan.keep)
+        group = replace(request, placement=replace(request.placement, num_nodes=k))
+        parts = self._join_survivors(s, group, previous, plan.keep, plan.keep_hosts)
+        if k >= n:
+            return _Shrink(parts)
+        standby = self._part_request(request, k, n - k, {Env.NNODES: str(n), Env.STANDBY: "1"})
+        extra = tuple(h for h in plan.keep_hosts if h)
+        try:
+            spare = self.launcher.launch(
+                replace(standby, exclude_hosts=(*request.exclude_hosts, *extra))
+            )
+        except SubmitUncertain:
+            raise  # asked again, with the same keys, on the next tick
+        except LaunchError as e:
+            return _Shrink(parts, refused=str(e) or type(e).__name__)
+        return _Shrink(parts, spare)
+
     @staticmethod
     def _part_request(
         request: LaunchRequest, base: int, count: int, group: dict[str, str]
@@ -533,6 +586,16 @@ class Reconciler:
             env={**request.env, **group, Env.NODE_RANK_BASE: str(base)},
             node_rank_base=base,
         )
+
+
+@dataclass(frozen=True)
+class _Shrink:
+    """What a shrink's launch started: the training group's restarts, and the standby
+    launch (None when it was refused, and why)."""
+
+    group: list[LaunchHandle]
+    spare: LaunchHandle | None = None
+    refused: str = ""
 
 
 #: ``SKYRESUME_CRASH_AT``: the crash-safety harness (bench/crashsafe.py) sets it to

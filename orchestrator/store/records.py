@@ -77,6 +77,7 @@ def result_json(result: rc.StepResult) -> dict[str, Any]:
                 "exclude_hosts": list(result.exclude_hosts),
                 "keep": list(result.keep),
                 "keep_hosts": list(result.keep_hosts),
+                "train_nodes": result.train_nodes,
             }
         case rc.ConfirmedCheckpoint():
             out: dict[str, Any] = {"step": result.step, "uri": result.uri}
@@ -108,6 +109,7 @@ def selection_from_json(d: dict[str, Any]) -> rc.Selection:
         exclude_hosts=_strs(d, "exclude_hosts", where),
         keep=_strs(d, "keep", where),
         keep_hosts=_strs(d, "keep_hosts", where),
+        train_nodes=_opt_int(d, "train_nodes", where),
     )
 
 
@@ -143,6 +145,12 @@ class LaunchPlan:
     exclude_hosts: tuple[str, ...] = ()
     keep: tuple[str, ...] = ()
     keep_hosts: tuple[str, ...] = ()
+    train_nodes: int | None = None
+    """A shrink: the training group's node count (the rest are standby spares)."""
+    spare_released: str | None = None
+    """Why a shrunk attempt's spares were given back (None: they were not)."""
+    spare_cluster: str | None = None
+    """The launch (``LaunchHandle.cluster_name``) that holds a shrunk attempt's spares."""
 
 
 def plan_json(action: rc.RecordAttempt) -> dict[str, Any]:
@@ -156,6 +164,7 @@ def plan_json(action: rc.RecordAttempt) -> dict[str, Any]:
         "stage_from": action.stage_from,
         "keep": list(action.keep),
         "keep_hosts": list(action.keep_hosts),
+        "train_nodes": action.train_nodes,
     }
 
 
@@ -177,6 +186,9 @@ def launch_plan_of(a: Attempt) -> LaunchPlan:
         exclude_hosts=_strs(k, "exclude_hosts", where),
         keep=_strs(k, "keep", where),
         keep_hosts=_strs(k, "keep_hosts", where),
+        train_nodes=_opt_int(k, "train_nodes", where),
+        spare_released=str(k["spare_released"]) if k.get("spare_released") else None,
+        spare_cluster=str(k["spare_cluster"]) if k.get("spare_cluster") else None,
     )
 
 

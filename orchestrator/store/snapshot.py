@@ -22,7 +22,7 @@ launcher as the text stored at submit (``jobs.task_yaml``, through a private cop
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -184,6 +184,15 @@ def gather_snapshot(
         view = _attempt_view(s, job_id, attempt, now, launcher)
         ranks = {r.rank: n.node_id for n in view.nodes for r in n.ranks}
         failures = tuple(_failures(s, job_id, attempt.number, ranks))
+        if view.spare is not None:
+            # A spare's failures end the spare (``decide`` gives it back), never the
+            # training group's attempt.
+            ids = {n.node_id for n in view.spare.nodes} | _spare_node_ids(attempt)
+            view = replace(
+                view,
+                spare=replace(view.spare, failures=tuple(f for f in failures if f.node_id in ids)),
+            )
+            failures = tuple(f for f in failures if f.node_id not in ids)
     incident, past = _incidents(s, job_id)
     status = JobStatus(job.status)
     listing = None
@@ -222,11 +231,38 @@ def gather_snapshot(
         restarts_done=job.restart_count,
         blocking_save_s=_blocking_save_s(s, job_id),
         startup_s=_startups(s, job_id) + _validated_startups(s, job_id),
+        provision_s=_provision_times(s, attempt) if attempt is not None else (),
         plain=_noticed_plain(s, job_id),
         degraded_noted=attempt is not None
         and intake.noted_degraded(s, job_id, utc(attempt.started_at) or now),
     )
     return snap, rows
+
+
+def _provision_times(s: Session, a: Attempt, limit: int = 20) -> tuple[float, ...]:
+    """Seconds from request to every node up of the newest fresh launches (any job's)
+    in ``a``'s cloud and region: what a replacement there is expected to take."""
+    out: list[float] = []
+    rows = s.scalars(
+        select(Attempt)
+        .where(Attempt.cloud == a.cloud, Attempt.region == a.region)
+        .order_by(Attempt.id.desc())
+        .limit(limit * 4)
+    )
+    for r in rows:
+        asked, up = _when(r.handle, "requested_at"), _when(r.handle, "up_at")
+        if asked is None or up is None or records.launched_verb(r) is not rc.LaunchVerb.LAUNCH:
+            continue
+        out.append((up - asked).total_seconds())
+        if len(out) >= limit:
+            break
+    return tuple(out)
+
+
+def _spare_node_ids(a: Attempt) -> set[str]:
+    """The node ids of a shrunk attempt's standby launch (registered or not)."""
+    plan = records.launch_plan_of(a)
+    return {x for p in parts_of(a) if p.cluster_name == plan.spare_cluster for x in p.node_ids}
 
 
 def _int_or_none(x: Any) -> int | None:
@@ -323,7 +359,16 @@ def _attempt_view(
     s: Session, job_id: str, a: Attempt, now: datetime, launcher: Launcher
 ) -> rc.AttemptView:
     handle = handle_of(a)
-    parts = parts_of(a)
+    plan = records.launch_plan_of(a)
+    every_part = parts_of(a)
+    # A shrunk attempt (``LaunchVerb.SHRINK``): its first ``train_nodes`` nodes train;
+    # the launch named ``spare_cluster`` holds the standby replacements beside them.
+    train = plan.train_nodes if plan.verb is rc.LaunchVerb.SHRINK else None
+    spare_parts = [
+        p for p in every_part if train is not None and p.cluster_name == plan.spare_cluster
+    ]
+    parts = [p for p in every_part if p not in spare_parts]
+    spare_ids = {x for p in spare_parts for x in p.node_ids}
     nodes = s.scalars(select(Node).where(Node.job_id == job_id, Node.attempt == a.number))
     exits = {
         e.node_id: e
@@ -343,7 +388,7 @@ def _attempt_view(
     if handle is not None and up_at is not None and a.state != AttemptState.ENDED:
         try:
             alive_ids = set()
-            for part in parts:
+            for part in every_part:
                 st = launcher.status(part)
                 if st.state == "unknown":
                     alive_ids = None
@@ -403,7 +448,10 @@ def _attempt_view(
                 address=prog.get("client_ip") if isinstance(prog.get("client_ip"), str) else None,
             )
         )
-    registered = {v.node_id for v in views}
+    spare_views = [v for v in views if train is not None and v.node_rank >= train]
+    views = [v for v in views if v not in spare_views]
+    spare_ids.update(v.node_id for v in spare_views)
+    registered = {v.node_id for v in views} | spare_ids
     vanished = tuple(
         n
         for n in (handle.node_ids if handle is not None else ())
@@ -443,8 +491,24 @@ def _attempt_view(
         )
         for d in [e.details or {}]
         if d.get("attempt") == a.number
+        and str(d.get("node_id") or e.node_id or "") not in spare_ids
     )
-    plan = records.launch_plan_of(a)
+    spare = None
+    if train is not None:
+        released = plan.spare_released is not None or not spare_parts
+        progress = (
+            None
+            if released or a.state == AttemptState.ENDED
+            else _progress(launcher, spare_parts, job_id)
+        )
+        up = progress is not None and progress.phase is rc.LaunchPhase.UP
+        spare = rc.SpareView(
+            count=a.num_nodes - train,
+            nodes=tuple(sorted(spare_views, key=lambda v: v.node_rank)),
+            progress=None if up else progress,
+            up=up,
+            released=released,
+        )
     return rc.AttemptView(
         requested_at=_when(a.handle, "requested_at"),
         up_at=up_at,
@@ -454,7 +518,9 @@ def _attempt_view(
         number=a.number,
         state=a.state,
         started_at=utc(a.started_at) or now,
-        num_nodes=a.num_nodes,
+        num_nodes=train if train is not None else a.num_nodes,
+        full_nodes=a.num_nodes if train is not None else None,
+        spare=spare,
         ranks_per_node=int((a.knobs or {}).get("ranks_per_node", 1)),
         expected_step=a.resume_step,
         validated_step=a.validated_step,

@@ -392,6 +392,33 @@ def attempt_started(
     s.flush()
 
 
+def spare_launched(
+    s: Session, a: Attempt, spare: LaunchHandle | None, refused: str, now: datetime
+) -> None:
+    """A shrink's standby launch (``LaunchVerb.SHRINK``): which launch holds the spares,
+    or, when the launcher refused it, why (the group trains on shrunk, and says so)."""
+    if spare is not None:
+        a.knobs = {**(a.knobs or {}), "spare_cluster": spare.cluster_name}
+    else:
+        reason = f"the standby launch was refused: {refused or 'no reason given'}"
+        a.knobs = {**(a.knobs or {}), "spare_released": reason}
+        repo.record_event(
+            s,
+            a.job_id,
+            idempotency_key=f"{EventKind.ELASTIC}-spare-a{a.number}",
+            kind=EventKind.ELASTIC,
+            message=f"replacement lost: {reason}; training goes on shrunk",
+            details={"attempt": a.number, "detected_by": "reconciler"},
+            now=now,
+        )
+    s.flush()
+
+
+def spare_released(a: Attempt, reason: str) -> None:
+    """The shrunk attempt's spares were given back (``ReleaseSpare``)."""
+    a.knobs = {**(a.knobs or {}), "spare_released": reason or "released"}
+
+
 def node_address(s: Session, job_id: str, number: int, node_id: str) -> str | None:
     """Where the other nodes reach ``node_id`` of attempt ``number``: the address the
     service saw its agent register from."""

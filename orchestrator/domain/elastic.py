@@ -1,0 +1,122 @@
+"""Elastic runs: whether a job that lost nodes trains on the survivors while the
+replacement comes (shrink), or waits for a full set. Pure: the reconciler's
+``decide()`` asks :func:`choose_shrink` at SELECT, from the snapshot.
+
+The weighing, in node-seconds of training (the unit the goodput counts in)::
+
+    wait:    the whole group idles while the replacement provisions (P), then
+             restarts at full size (R)
+    shrink:  the k survivors restart at once (R) and train at k/N of the full
+             throughput until the replacement is up, then every node pauses once
+             more to grow back (G: a save at the step boundary and a restart)
+
+    shrink gains   k/N * max(0, P - R)   of full-speed training time
+    shrink costs   G                     of full-speed training time (the grow)
+
+so the survivors train when ``k/N * (P - R) > margin * G``. With nothing measured
+for ``P`` the spec's ``elastic.expected_provision_s`` is used, then
+:attr:`ElasticConfig.default_provision_s`; ``R`` and ``G`` are the job's measured
+start-ups (``JobSnapshot.startup_s``) when it has any. A job whose remaining work
+(``steps_left`` at the measured step time) ends on the shrunk group before the
+replacement would be up shrinks whatever the grow would cost: it never grows.
+
+Below ``min_nodes`` there is nothing to decide: the job waits, as a job without
+``min_nodes`` always does.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from orchestrator.domain.spec import JobSpec
+
+
+@dataclass(frozen=True)
+class ElasticConfig:
+    default_provision_s: float = 180.0
+    """A replacement's provisioning time when neither the placement history nor the
+    spec says (a cloud VM with setup: minutes; SkyPilot on the emulated AWS here
+    registered in 72.9 s, BENCHMARKS.md)."""
+    default_restart_s: float = 30.0
+    """A restart's cost when the job measured no start-up yet."""
+    margin: float = 1.5
+    """The shrunk phase must gain this many times what the grow costs: a guess that
+    is wrong by half still gains."""
+
+
+@dataclass(frozen=True)
+class ShrinkChoice:
+    shrink: bool
+    nodes: int
+    """The nodes to train on now: the survivors when shrinking, else the full count."""
+    reason: str
+    """One line: the figures weighed, for the incident's SELECT step."""
+    provision_s: float
+    """The expected provisioning time the choice was made with."""
+
+
+def expected_provision_s(
+    measured: Sequence[float], spec: JobSpec, cfg: ElasticConfig
+) -> tuple[float, str]:
+    """The replacement's expected provisioning time and where it came from: the median
+    of the measured launches of this placement (request to every node up), else the
+    spec's, else the service's default."""
+    usable = [m for m in measured if m >= 0]
+    if usable:
+        return statistics.median(usable), f"median of {len(usable)} measured launches"
+    if spec.elastic.expected_provision_s is not None:
+        return spec.elastic.expected_provision_s, "the spec's elastic.expected_provision_s"
+    return cfg.default_provision_s, "nothing measured: the service's default"
+
+
+def choose_shrink(
+    spec: JobSpec,
+    survivors: int,
+    *,
+    provision_s: Sequence[float] = (),
+    startup_s: Sequence[float] = (),
+    steps_left: int | None = None,
+    step_time_s: float | None = None,
+    cfg: ElasticConfig | None = None,
+) -> ShrinkChoice:
+    """Whether ``survivors`` healthy nodes of a job that lost the others train now
+    (see the module's weighing). Never shrinks below ``min_nodes``, nor a job
+    without one, nor one whose spec says ``elastic.shrink: never``."""
+    cfg = cfg or ElasticConfig()
+    n = spec.num_nodes
+    p, source = expected_provision_s(provision_s, spec, cfg)
+    if survivors not in spec.elastic_nodes:
+        why = (
+            f"{survivors} survivors, below min_nodes {spec.effective_min_nodes}: waiting for "
+            f"{n - survivors} replacements"
+            if survivors < spec.effective_min_nodes
+            else "not an elastic job (min_nodes is num_nodes): waiting for a full set"
+        )
+        return ShrinkChoice(False, n, why, p)
+    if spec.elastic.shrink == "never":
+        return ShrinkChoice(False, n, "elastic.shrink: never: waiting for a full set", p)
+    r = max(startup_s) if startup_s else cfg.default_restart_s
+    share = survivors / n
+    gain = share * max(0.0, p - r)
+    figures = (
+        f"replacement expected in {p:.0f} s ({source}); restart {r:.0f} s; "
+        f"{survivors}/{n} nodes train {gain:.0f} s of full-speed work meanwhile, "
+        f"the grow back costs {r:.0f} s"
+    )
+    if spec.elastic.shrink == "always":
+        return ShrinkChoice(True, survivors, f"elastic.shrink: always; {figures}", p)
+    if steps_left is not None and step_time_s:
+        on_survivors = steps_left * step_time_s / share
+        if on_survivors < p - r:
+            return ShrinkChoice(
+                True,
+                survivors,
+                f"the {steps_left} steps left end on {survivors} nodes in "
+                f"{on_survivors:.0f} s, before the replacement ({p:.0f} s): no grow needed",
+                p,
+            )
+    if gain > cfg.margin * r:
+        return ShrinkChoice(True, survivors, f"shrink: {figures}", p)
+    return ShrinkChoice(False, n, f"wait: {figures} (gain under {cfg.margin:g}x the grow)", p)
