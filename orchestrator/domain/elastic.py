@@ -87,12 +87,14 @@ def choose_shrink(
     cfg = cfg or ElasticConfig()
     n = spec.num_nodes
     p, source = expected_provision_s(provision_s, spec, cfg)
+    if not spec.elastic_nodes:
+        why = "not an elastic job (min_nodes is num_nodes): waiting for a full set"
+        return ShrinkChoice(False, n, why, p)
     if survivors not in spec.elastic_nodes:
+        lost = n - survivors
         why = (
-            f"{survivors} survivors, below min_nodes {spec.effective_min_nodes}: waiting for "
-            f"{n - survivors} replacements"
-            if survivors < spec.effective_min_nodes
-            else "not an elastic job (min_nodes is num_nodes): waiting for a full set"
+            f"{survivors} survivor{'s' if survivors != 1 else ''}, below min_nodes "
+            f"{spec.effective_min_nodes}: waiting for {lost} replacement{'s' if lost > 1 else ''}"
         )
         return ShrinkChoice(False, n, why, p)
     if spec.elastic.shrink == "never":
