@@ -1491,8 +1491,8 @@ def _select(
                 cfg=cfg.elastic,
             )
             if shrink.shrink and verb is LaunchVerb.JOIN_SURVIVORS:
-                why = [shrink.reason, *notes]
-                return _select_shrink(s, a, inc, kept, placement, exclude_hosts, why)
+                said = [shrink.reason, *notes]
+                return _select_shrink(s, a, inc, kept, placement, exclude_hosts, said)
             notes.append(
                 shrink.reason
                 if not shrink.shrink
