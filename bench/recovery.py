@@ -31,8 +31,18 @@ behaviour, ``SKYRESUME_LOCAL_KEEP_SURVIVORS=false``). Both on the cloud path: no
 in network namespaces, checkpoints in S3 (SeaweedFS), the agent installed by each
 node's setup, a provisioning delay per launch (``--provision-s``, a cloud's boot).
 
+``--elastic`` measures what an elastic job (issue 20: ``min_nodes`` below
+``num_nodes``) gains on a node kill, in one run: the same 3-node x 1-rank job, node 2
+killed at step 25, on two services with the same provisioning delay per launch
+(``--provision-s``, 60 s by default): one whose spec has ``min_nodes: 2`` (the two
+survivors train at once while the replacement provisions, then the group grows back)
+and one without (it waits for the replacement). Printed: the time from the kill to
+the first step of the shrunk group and to the waiting job's first step, the steps
+each job had made when the waiting one resumed, and plain torchrun's node-kill
+recovery here (as in the default run) as the reference the issue's 0.3x target names.
+
 Ends with one JSON line: ``{"bench": "recovery", ...}`` (``"recovery-remedies"``,
-``"recovery-survivors"``).
+``"recovery-survivors"``, ``"recovery-elastic"``).
 """
 
 from __future__ import annotations
@@ -429,6 +439,123 @@ def main_survivors(provision_s: float) -> None:
     )
 
 
+def elastic_spec(home: Path, uri: str, min_nodes: int | None) -> dict[str, Any]:
+    spec = job_spec(home, 2000, uri)
+    spec["task"]["command"] = (
+        f"{sys.executable} -m training.examples.train_gpt --max-steps 2000 --step-sleep "
+        f"{STEP_SLEEP} --global-batch 12 --micro-batch 2"
+    )
+    spec.update(num_nodes=3, ranks_per_node=1, name="bench-elastic")
+    if min_nodes is not None:
+        # The weighing would compare a 60 s replacement with this job's own restarts;
+        # the bench measures the shrink itself, so it asks for one.
+        spec.update(min_nodes=min_nodes, elastic={"shrink": "always"})
+    return spec
+
+
+def _progress_after(http: Any, job: str, attempt: int) -> tuple[float, int, int] | None:
+    """(now, the highest step, the resume step) of the newest attempt after ``attempt``
+    once it validated (every rank resumed)."""
+    atts = api_get(http, f"/v1/jobs/{job}/attempts")["items"]
+    newer = [a for a in atts if a["number"] > attempt and a["validated_step"] is not None]
+    if not newer:
+        return None
+    steps = [r.get("step") for n in newer[-1]["nodes"] for r in n["ranks"]]
+    done = [x for x in steps if x is not None]
+    resumed = int(newer[-1]["validated_step"])
+    return (time.monotonic(), max(done, default=resumed), resumed)
+
+
+def elastic_run(tmp: Path, provision_s: float, min_nodes: int | None, window_s: float) -> dict:
+    """One node kill of the 3-node job; the trace of steps for ``window_s`` after it."""
+    env = {
+        "SKYRESUME_LOCAL_NETWORK": "netns",
+        "SKYRESUME_LOCAL_PROVISION_DELAY_S": f"{provision_s:g}",
+    }
+    svc = DemoService(tmp, env=env, s3=True)
+    deadline = time.monotonic() + 900
+    try:
+        http = svc.wait_ready()
+        job = api_post(http, "/v1/jobs", elastic_spec(tmp, svc.checkpoint_uri, min_nodes))["id"]
+        s = wait_for(http, job, "step 25", lambda st, n, v, x: v is not None and x >= 25, deadline)
+        if s[0] != "RUNNING":
+            j = api_get(http, f"/v1/jobs/{job}")
+            raise RuntimeError(f"job {job} is {j['status']}: {j.get('status_reason')}")
+        t_kill = time.monotonic()
+        api_post(http, f"/v1/jobs/{job}/chaos", {"action": "kill-node", "node": 2})
+        trace: list[tuple[float, int, int]] = []
+        while time.monotonic() < t_kill + window_s:
+            got = _progress_after(http, job, s[1])
+            if got is not None:
+                trace.append((got[0] - t_kill, got[1], got[2]))
+            time.sleep(0.25)
+        incs = api_get(http, f"/v1/jobs/{job}/incidents")["items"]
+        http.post(f"/v1/jobs/{job}/cancel")
+        time.sleep(3)
+        return {"killed_at_step": s[3], "trace": trace, "incidents": incs}
+    finally:
+        svc.stop()
+
+
+def _first_step_s(run: dict) -> float | None:
+    """Seconds from the kill to the first step a relaunch made past its resume step."""
+    return next((t for t, x, resumed in run["trace"] if x > resumed), None)
+
+
+def _step_at(run: dict, t: float) -> int | None:
+    before = [x for at, x, _ in run["trace"] if at <= t]
+    return before[-1] if before else None
+
+
+def main_elastic(provision_s: float) -> None:
+    window = provision_s + 120.0
+    with tempfile.TemporaryDirectory(prefix="bench-elastic-") as d:
+        runs = {}
+        for name, min_nodes in (("elastic", 2), ("waiting", None)):
+            (Path(d) / name).mkdir()
+            runs[name] = run = elastic_run(Path(d) / name, provision_s, min_nodes, window)
+            incs = ", ".join(
+                f"{i['failure_class']} MTTR {i['mttr_s']:.1f} s"
+                for i in run["incidents"]
+                if i["mttr_s"]
+            )
+            print(f"{name}: first step {_first_step_s(run)} s after the kill; {incs}", flush=True)
+        (Path(d) / "torchrun").mkdir()
+        base = baseline_mttr(Path(d) / "torchrun")
+        print(f"torchrun --max-restarts, node killed: {base}", flush=True)
+    e, w = runs["elastic"], runs["waiting"]
+    e_first, w_first = _first_step_s(e), _first_step_s(w)
+    at = w_first if w_first is not None else window
+    e_step, w_step = _step_at(e, at), _step_at(w, at)
+    torchrun = base.get("mttr_s")
+    grows = [i for i in e["incidents"] if i["failure_class"] == "elastic_grow"]
+    print(
+        json.dumps(
+            {
+                "bench": "recovery-elastic",
+                "provision_delay_s": provision_s,
+                "elastic_first_shrunk_step_s": round(e_first, 2) if e_first else None,
+                "waiting_first_step_s": round(w_first, 2) if w_first else None,
+                "elastic_over_waiting": round(e_first / w_first, 3)
+                if e_first and w_first
+                else None,
+                "torchrun_node_kill_mttr_s": round(torchrun, 2) if torchrun else None,
+                "elastic_over_torchrun": round(e_first / torchrun, 3)
+                if e_first and torchrun
+                else None,
+                "steps_when_waiting_resumed": {"elastic": e_step, "waiting": w_step},
+                "steps_gained": e_step - w_step
+                if e_step is not None and w_step is not None
+                else None,
+                "grew_back": bool(grows),
+                "grow_mttr_s": round(grows[0]["mttr_s"], 2)
+                if grows and grows[0]["mttr_s"]
+                else None,
+            }
+        )
+    )
+
+
 def main_remedies() -> None:
     deadline = time.monotonic() + 2400
     with tempfile.TemporaryDirectory(prefix="bench-remedies-") as d:
@@ -455,10 +582,17 @@ def main() -> None:
     p.add_argument(
         "--survivors", action="store_true", help="node kill: survivors kept vs all relaunched"
     )
-    p.add_argument("--provision-s", type=float, default=20.0, help="--survivors: boot delay")
+    p.add_argument("--provision-s", type=float, default=None,
+                   help="boot delay per launch (--survivors: 20 s, --elastic: 60 s)")  # fmt: skip
+    p.add_argument(
+        "--elastic", action="store_true", help="node kill: shrink onto the survivors vs waiting"
+    )
     args = p.parse_args()
+    if args.elastic:
+        main_elastic(60.0 if args.provision_s is None else args.provision_s)
+        return
     if args.survivors:
-        main_survivors(args.provision_s)
+        main_survivors(20.0 if args.provision_s is None else args.provision_s)
         return
     if args.remedies:
         main_remedies()
