@@ -12,6 +12,13 @@ Resume: the checkpoint carries ``{"consumed", "seed", "global_batch",
 "num_samples", "shuffle"}``; a resume onto another world size reslices the same
 global batch, so every step sees exactly the samples it would have seen.
 A saved state from a different dataset or global batch is refused by name.
+
+Elastic batch scale (``training.elastic``) is the one case where the global batch
+changes within a run: a smaller world takes fewer samples a step. Because the
+position counts samples, the order of samples is unchanged; only where the step
+boundaries fall in it moves. ``Run`` says so explicitly, with ``rebatch`` and
+``load_state_dict(batch_may_change=True)``; nothing else lifts the refusal, since
+a batch changed by mistake would silently train on other data per step.
 """
 
 from __future__ import annotations
@@ -93,6 +100,17 @@ class ResumableSampler:
         lo = self.rank * self.per_rank
         return self.global_indices()[lo : lo + self.per_rank]
 
+    def rebatch(self, global_batch: int) -> None:
+        """Take ``global_batch`` samples a step from the next one on (elastic batch
+        scale); the position, in samples, is unchanged."""
+        if global_batch < 1:
+            raise ValueError(f"global_batch must be positive, got {global_batch}")
+        if global_batch % self.world_size:
+            raise ValueError(
+                f"global batch {global_batch} is not divisible by {self.world_size} ranks"
+            )
+        self.global_batch = global_batch
+
     def advance(self) -> None:
         """One step done: move past its global batch."""
         self.consumed += self.global_batch
@@ -106,8 +124,11 @@ class ResumableSampler:
             "shuffle": self.shuffle,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for name in ("seed", "global_batch", "num_samples", "shuffle"):
+    def load_state_dict(self, state: dict[str, Any], *, batch_may_change: bool = False) -> None:
+        """``batch_may_change``: a state saved with another global batch is accepted
+        (elastic batch scale: Run passes it); otherwise it is refused."""
+        names = ("seed", "num_samples", "shuffle") + (() if batch_may_change else ("global_batch",))
+        for name in names:
             if state.get(name) != getattr(self, name):
                 raise ValueError(
                     f"sampler state: {name} was {state.get(name)!r} when saved, now "

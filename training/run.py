@@ -39,6 +39,20 @@ boundary after a poll; the ones that kill a rank raise there, uncaught.
 Step numbers in anomalies are the index of the step whose loss was bad: the
 number of updates applied to the weights that computed it, so ``step_<N>`` holds
 those weights (the ``progress`` datagram of that step says N + 1, steps done).
+
+Elastic world sizes (``training.elastic``): on an elastic run the agent sets
+``FULL_WORLD_SIZE`` (the world the global batch and lr are for) and
+``ELASTIC_BATCH``. With ``keep`` a smaller world trains on the same global batch
+(``batch_plan`` is for the current world: more accumulation, whatever the env's
+``GRAD_ACCUM`` says), so every step sees the samples of an uninterrupted run. With
+``scale`` the world's batch is ``global_batch * world / full`` (a sampler built for
+the full world is rebatched), a checkpoint's other batch is accepted, the lr is
+multiplied by ``lr_factor`` inside ``optimizer.step()`` only (param groups,
+scheduler and checkpoints keep the full world's lr, so nothing compounds across
+resumes), and a torch ``LRScheduler`` is kept at position ``samples //
+full_global_batch`` (``samples``: a counter in the checkpoint) instead of one per
+step. What cannot follow (a non-torch optimizer, ReduceLROnPlateau) is refused at
+construction, on the full world too.
 """
 
 from __future__ import annotations
@@ -53,10 +67,17 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
-from orchestrator.contract import MANIFEST_NAME, Env, ExitCode, FaultKind, manifest_digest
+from orchestrator.contract import (
+    MANIFEST_NAME,
+    Env,
+    ExitCode,
+    FaultKind,
+    StrEnum,
+    manifest_digest,
+)
 from training import chaos
 from training.checkpoint import (
     Checkpointer,
@@ -67,6 +88,15 @@ from training.checkpoint import (
 )
 from training.control import ControlFile
 from training.data import ResumableSampler
+from training.elastic import (
+    ElasticBatch,
+    ElasticLR,
+    ElasticPlan,
+    SamplesSchedule,
+    plan_elastic,
+    refuse_unscalable,
+    scale_lr_during_step,
+)
 from training.knobs import BatchPlan, plan_batch
 from training.monitors import (
     Finding,
@@ -91,6 +121,8 @@ from training.signals import StopRequest
 
 #: Checkpoint URI schemes a rank never reads as a path (the agent stages them first).
 REMOTE_SCHEMES = frozenset({"s3", "gs"})
+
+_E = TypeVar("_E", bound=StrEnum)
 
 
 class RunExit(SystemExit):
@@ -118,6 +150,25 @@ def _env_range(env: Mapping[str, str], name: str) -> tuple[int, int] | None:
     if not sep or lo < 0 or hi < lo:
         raise ValueError(f"{name}={raw!r}: want FIRST-LAST with 0 <= FIRST <= LAST")
     return lo, hi
+
+
+def _enum(kind: type[_E], value: Any) -> _E:
+    try:
+        return kind(value)
+    except ValueError:
+        allowed = ", ".join(repr(str(m)) for m in kind)
+        raise ValueError(f"{kind.__name__} {value!r}: want one of {allowed}") from None
+
+
+def _env_enum(env: Mapping[str, str], name: str, kind: type[_E], default: _E) -> _E:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return kind(raw.lower())
+    except ValueError:
+        allowed = ", ".join(str(m) for m in kind)
+        raise ValueError(f"{name}={raw!r}: want one of {allowed}") from None
 
 
 def _env_int(env: Mapping[str, str], name: str, default: int | None) -> int | None:
@@ -159,7 +210,16 @@ class RunConfig:
     seed: int = 0
     """Reseeds per-rank generators when a resume changes the world size (see rng.py)."""
     global_batch: int | None = None
-    """Samples per optimizer step over all ranks; fixed for the whole run."""
+    """Samples per optimizer step over all ranks of the full world. Fixed for the whole
+    run, except with ``elastic_batch`` scale on a smaller world (``global_batch_for``)."""
+    full_world_size: int | None = None
+    """The world size ``global_batch`` and the learning rate are for, on an elastic run
+    (``Env.FULL_WORLD_SIZE``); None: not elastic, the current world is the full one."""
+    elastic_batch: ElasticBatch = ElasticBatch.KEEP
+    """On a world other than the full one: keep the global batch (each rank accumulates
+    more) or scale it with the world, the learning rate following ``elastic_lr``."""
+    elastic_lr: ElasticLR = ElasticLR.LINEAR
+    """With ``elastic_batch`` scale: the learning rate x world / full, or its sqrt."""
     micro_batch: int | None = None
     """Per-rank micro-batch the memory planner chose (None = the whole per-rank batch)."""
     activation_checkpoint_every: int = 0
@@ -204,6 +264,11 @@ class RunConfig:
             )
         if self.global_batch is not None and self.global_batch < 1:
             raise ValueError(f"global_batch must be positive, got {self.global_batch}")
+        if self.full_world_size is not None and self.full_world_size < 1:
+            raise ValueError(f"full_world_size must be positive, got {self.full_world_size}")
+        # Plain strings (a script's flags) become the enums; a bad one is refused here.
+        object.__setattr__(self, "elastic_batch", _enum(ElasticBatch, self.elastic_batch))
+        object.__setattr__(self, "elastic_lr", _enum(ElasticLR, self.elastic_lr))
         if self.straggler_ratio <= 1.0:
             raise ValueError(f"straggler_ratio must be > 1, got {self.straggler_ratio}")
         if self.straggler_persist < 1:
@@ -227,6 +292,9 @@ class RunConfig:
             checkpoint_every=_env_int(env, Env.CHECKPOINT_EVERY, 100) or 0,
             keep=_env_int(env, Env.CHECKPOINT_KEEP, 3) or 3,
             global_batch=_env_int(env, Env.GLOBAL_BATCH, None),
+            full_world_size=_env_int(env, Env.FULL_WORLD_SIZE, None),
+            elastic_batch=_env_enum(env, Env.ELASTIC_BATCH, ElasticBatch, ElasticBatch.KEEP),
+            elastic_lr=_env_enum(env, Env.ELASTIC_LR, ElasticLR, ElasticLR.LINEAR),
             micro_batch=_env_int(env, Env.MICRO_BATCH, None) or None,
             activation_checkpoint_every=_env_int(env, Env.ACTIVATION_CHECKPOINT_EVERY, 0) or 0,
             progress_addr=env.get(Env.PROGRESS_ADDR, ""),
@@ -236,6 +304,23 @@ class RunConfig:
             node_id=env.get(Env.NODE_ID, ""),
         )
         return replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+
+    def elastic_plan(self, world_size: int, global_batch: int | None = None) -> ElasticPlan:
+        """This world's batch and lr factor (``training.elastic``); ``global_batch``
+        stands in for the full world's when the config has none."""
+        return plan_elastic(
+            self.global_batch if self.global_batch is not None else global_batch,
+            world_size,
+            self.full_world_size,
+            self.elastic_batch,
+            self.elastic_lr,
+        )
+
+    def global_batch_for(self, world_size: int) -> int | None:
+        """Samples per step on ``world_size`` ranks: the global batch, or with elastic
+        batch scale ``global_batch * world_size / full_world_size``. Build the
+        ResumableSampler with it."""
+        return self.elastic_plan(world_size).global_batch
 
 
 @dataclass
@@ -298,22 +383,41 @@ class Run:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
-        global_batch = config.global_batch
+        self.elastic = config.elastic_plan(
+            self.world_size, sampler.global_batch if sampler is not None else None
+        )
+        """This world's batch and lr factor (the full world's on a non-elastic run)."""
         if sampler is not None:
-            if global_batch is not None and global_batch != sampler.global_batch:
-                raise ValueError(
-                    f"global batch {global_batch} (config) differs from the sampler's "
-                    f"{sampler.global_batch}"
-                )
-            global_batch = sampler.global_batch
+            self._fit_sampler(sampler)
+        global_batch = self.elastic.global_batch
         self.global_batch = global_batch
+        """Samples per optimizer step on this world, every rank's together."""
+        self.full_global_batch = self.elastic.full_global_batch
+        """The spec's global batch, for the full world (``global_batch`` but in scale mode)."""
+        self.lr_factor = self.elastic.lr_factor
+        """What the scheduler's lr is multiplied by inside ``optimizer.step()`` (the param
+        groups keep the full world's lr; log ``lr * run.lr_factor`` for the one applied)."""
+        # The current world size, never the env's GRAD_ACCUM: the service computes that
+        # for the full world, and a shrunk world needs more accumulation.
         self.batch_plan: BatchPlan | None = (
             plan_batch(global_batch, self.world_size, config.micro_batch)
             if global_batch is not None
             else None
         )
+        self._schedule: SamplesSchedule | None = None
+        if self.elastic.batch_follows_world:
+            refuse_unscalable(optimizer, scheduler)  # on every launch, the full one too
+            if self.lr_factor != 1.0:
+                scale_lr_during_step(optimizer, self.lr_factor)
+            if scheduler is not None and global_batch != self.full_global_batch:
+                assert self.full_global_batch is not None  # plan_elastic refuses None
+                self._schedule = SamplesSchedule(scheduler, self.full_global_batch)
         self.step = 0
         """Optimizer steps completed (the next step to run)."""
+        self.samples = 0
+        """Samples trained on by the steps completed (each step's global batch summed;
+        a ``rollback_skip``'s skipped batches are not in it). The scheduler's position
+        in scale mode is ``samples // full_global_batch``."""
         self.checkpoint_every = config.checkpoint_every
         self.resumed_digest: str | None = None
         self.last_straggler: tuple[int, float] | None = None
@@ -360,6 +464,35 @@ class Run:
         )
         self._hook_ddp()
 
+    def _fit_sampler(self, sampler: ResumableSampler) -> None:
+        """The sampler must take this world's global batch. In scale mode one built
+        for the full world (what a script that knows nothing of elasticity does) is
+        rebatched; anything else is refused, since it would train on another batch."""
+        plan = self.elastic
+        want = plan.global_batch
+        if sampler.global_batch == want:
+            return
+        if plan.batch_follows_world and sampler.global_batch == plan.full_global_batch:
+            assert want is not None
+            sampler.rebatch(want)
+            if self.rank == 0:
+                print(
+                    f"elastic batch scale: world {plan.world_size} of {plan.full_world_size} "
+                    f"trains on a global batch of {want} (the spec's {plan.full_global_batch} "
+                    f"x {plan.world_size}/{plan.full_world_size}), lr x {plan.lr_factor:.4g}",
+                    file=sys.stderr,
+                )
+            return
+        if not plan.batch_follows_world:
+            raise ValueError(
+                f"global batch {want} (config) differs from the sampler's {sampler.global_batch}"
+            )
+        raise ValueError(
+            f"the sampler's global batch {sampler.global_batch} is neither this world's "
+            f"{want} (elastic batch scale, world {plan.world_size} of "
+            f"{plan.full_world_size}) nor the full world's {plan.full_global_batch}"
+        )
+
     @classmethod
     def from_env(
         cls,
@@ -397,6 +530,7 @@ class Run:
             "model": msd,
             "optim": osd,
             "step": torch.tensor(self.step),
+            "samples": torch.tensor(self.samples),
             "rng": {rng_key(self.rank): capture_rng_state()},
         }
         if self.scheduler is not None:
@@ -422,6 +556,8 @@ class Run:
             }
         else:
             del sd["rng"]
+        if "samples" not in saved_keys:  # saved before the counter: one batch throughout
+            del sd["samples"]
         dcp.load(sd, checkpoint_id=str(step_dir), no_dist=not self.distributed)
         set_state_dict(
             self.model,
@@ -432,10 +568,14 @@ class Run:
         if self.scheduler is not None:
             self.scheduler.load_state_dict(sd["sched"])
         if self.sampler is not None:
-            self.sampler.load_state_dict(sd["data"])
+            # The position is in samples: a scaled batch still means the same data.
+            self.sampler.load_state_dict(
+                sd["data"], batch_may_change=self.elastic.batch_follows_world
+            )
         for name, obj in self.extra_state.items():
             obj.load_state_dict(sd[f"extra.{name}"])
         step = int(sd["step"])
+        self.samples = int(sd["samples"]) if "samples" in sd else step * (self.global_batch or 0)
         if same_world and "torch" in sd["rng"][mine]:
             restore_rng_state(sd["rng"][mine])
         else:  # another world size, or a checkpoint without this rank's generators
@@ -643,6 +783,8 @@ class Run:
         self._times.waited = 0.0
         self._report = None
         self._spike_applied = False
+        if self._schedule is not None:
+            self._schedule.before_step()
         kind, self._fault_now = self._fault_now, None
         if kind is None:
             return
@@ -772,6 +914,9 @@ class Run:
         """Close the step: count it, report it, watch it, maybe save."""
         index = self.step  # the step just run: anomalies name it (see the module doc)
         self.step += 1
+        self.samples += self.global_batch or 0
+        if self._schedule is not None:
+            self._schedule.after_step(self.samples)  # before any save: it holds the scheduler
         self._spike_left = max(0, self._spike_left - 1)
         if self.sampler is not None:
             self.sampler.advance()

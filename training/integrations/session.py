@@ -50,6 +50,7 @@ from orchestrator.contract import (
     step_dir_name,
 )
 from training.checkpoint import CheckpointError, step_dirs
+from training.elastic import ElasticBatch
 from training.knobs import BatchPlan, plan_batch
 from training.resume import CheckpointUnusable, ResumeMismatch, agree_on_resume
 from training.run import REMOTE_SCHEMES, Run, RunConfig, checkpoint_tiers
@@ -128,6 +129,13 @@ class FrameworkRun:
 
         self.framework = framework
         self.config = RunConfig.from_env(env, **overrides)
+        if self.config.elastic_batch is ElasticBatch.SCALE:
+            # The framework owns its sampler, scheduler and batch: Run cannot scale them,
+            # and training on as if keep were asked would be a silent change of math.
+            raise ValueError(
+                f"elastic batch scale is not supported with {framework}: the framework's "
+                "batch, sampler and scheduler are its own; use elastic batch keep"
+            )
         # The Run drives the agreements and reports; it saves nothing itself (no URI),
         # because the checkpoint is the framework's own, committed by ``commit``.
         self.run = Run(
