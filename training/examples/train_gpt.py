@@ -17,11 +17,20 @@ The data set is ``--dataset-size`` synthetic sequences, each a pure function of
 (seed, index); a ``ResumableSampler`` shuffles it per epoch from the seed alone and
 its position (global samples consumed) is checkpointed, so a resume on any world
 size sees exactly the samples an uninterrupted run would have.
+
+Elastic runs (``SKYRESUME_RUN_FULL_WORLD_SIZE`` set, ``training.elastic``): the
+sampler takes ``config.global_batch_for(world)`` and the accumulation comes from
+``run.batch_plan``, so a shrunk world keeps the global batch (``keep``) or trains
+on its share of it with the learning rate scaled (``scale``). ``--sample-log``
+writes what every rank trained on, one JSON line per step, for tests that check
+that a run cut and resumed on other world sizes saw every sample as often as an
+uninterrupted one.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -33,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from orchestrator.contract import Env
-from training import ResumableSampler, Run, chaos
+from training import ResumableSampler, Run, RunConfig, chaos
 from training.knobs import collective_timeout_from_env
 
 
@@ -103,6 +112,31 @@ def synthetic_batch(seed: int, indices: list[int], seq: int, vocab: int) -> torc
 #: (a job spec's command line can carry the flags too).
 OOM_ABOVE_MICRO_BATCH = "TRAIN_GPT_OOM_ABOVE_MICRO_BATCH"
 RAISE_KEYERROR_AT_STEP = "TRAIN_GPT_RAISE_KEYERROR_AT_STEP"
+SAMPLE_LOG = "TRAIN_GPT_SAMPLE_LOG"
+
+
+class SampleLog:
+    """One JSON line per step and rank: what it trained on. Appended and flushed per
+    line, because the process restarts: a resume redoes the steps after the last
+    checkpoint, so a step may be logged by several launches.
+
+    A reader takes, for each step, the lines of the latest launch that ran it
+    (``launch``: rank 0's clock in ns when the launch started, the same on every rank
+    of it). Not the last line per (step, rank): after 3 ranks -> 2, rank 2's line of
+    a redone step is from the earlier launch and was never kept."""
+
+    def __init__(self, path: str, rank: int, launch: int) -> None:
+        self.launch = launch
+        self._file = open(path.replace("{rank}", str(rank)), "a") if path else None  # noqa: SIM115
+
+    def write(self, **record: object) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps({**record, "launch": self.launch}) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -170,6 +204,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--slow-rank", type=int, default=-1, help="testing: this rank computes slower")
     p.add_argument("--slow-seconds", type=float, default=0.05)
+    p.add_argument(
+        "--sample-log",
+        default=env.get(SAMPLE_LOG, ""),
+        help="append one JSON line per step and rank (step, rank, world, global_batch, "
+        "indices, loss, lr, launch) to this path; '{rank}' in it is the rank (empty: "
+        f"off; env {SAMPLE_LOG}). Per step, the latest launch's lines count",
+    )
     return p.parse_args(argv)
 
 
@@ -181,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout = timedelta(seconds=collective_timeout_from_env())
         dist.init_process_group("gloo", timeout=timeout)
     rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
 
     torch.manual_seed(args.seed)
     model = GPT(
@@ -210,7 +252,24 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
     try:
-        sampler = ResumableSampler(args.dataset_size, args.global_batch, seed=args.seed)
+        config = RunConfig.from_env(
+            checkpoint_uri=args.checkpoint_uri,
+            local_dir=args.local_dir,
+            resume_from=args.resume_from,
+            checkpoint_every=args.checkpoint_every,
+            keep=args.keep,
+            use_async=not args.sync_save,
+            seed=args.seed,
+            global_batch=args.global_batch,  # the full world's, on an elastic run
+            micro_batch=args.micro_batch,
+            activation_checkpoint_every=args.activation_checkpoint_every,
+            reference_every=args.reference_every,
+            straggler_every=args.straggler_every,
+        )
+        # This world's batch: the spec's, or its share of it with elastic batch scale.
+        batch = config.global_batch_for(world)
+        assert batch is not None
+        sampler = ResumableSampler(args.dataset_size, batch, seed=args.seed)
     except ValueError as e:
         sys.exit(f"error: {e}")
 
@@ -220,24 +279,18 @@ def main(argv: list[str] | None = None) -> int:
 
     # A fixed batch outside the training stream, run on the unwrapped model.
     reference = synthetic_batch(args.seed + 1, list(range(4)), args.seq, args.vocab)
-    run = Run.from_env(
+    run = Run(
+        config,
         model=ddp,  # the wrapper: Run times each rank's compute with a DDP comm hook
         optimizer=optimizer,
         scheduler=sched,
         sampler=sampler,
         reference_fn=lambda: loss_of(reference, model),
-        checkpoint_uri=args.checkpoint_uri,
-        local_dir=args.local_dir,
-        resume_from=args.resume_from,
-        checkpoint_every=args.checkpoint_every,
-        keep=args.keep,
-        use_async=not args.sync_save,
-        seed=args.seed,
-        micro_batch=args.micro_batch,
-        activation_checkpoint_every=args.activation_checkpoint_every,
-        reference_every=args.reference_every,
-        straggler_every=args.straggler_every,
     )
+    launch = [time.time_ns()]
+    if args.sample_log and dist.is_initialized():
+        dist.broadcast_object_list(launch, src=0)  # one id for every rank of this launch
+    log = SampleLog(args.sample_log, rank, launch[0])
     run.restore()
     assert run.batch_plan is not None
     micro, accum = run.batch_plan.micro_batch, run.batch_plan.grad_accum
@@ -246,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     spike_steps = range(at, at + chaos.SPIKE_STEPS) if at >= 0 else range(0)
     for step in run.steps(args.max_steps):
         model.train()
-        batch = synthetic_batch(args.seed, sampler.indices(), args.seq, args.vocab)
+        indices = sampler.indices()
+        batch = synthetic_batch(args.seed, indices, args.seq, args.vocab)
         if step == first_step and 0 <= args.oom_above_micro_batch < micro:
             # What a card too small for this micro-batch does in its first forward; a
             # re-planned smaller micro-batch runs, the smallest one fails again.
@@ -268,14 +322,26 @@ def main(argv: list[str] | None = None) -> int:
             total += loss.item() / accum
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         run.report(loss=total, grad_norm=grad_norm)  # NaN/Inf: exit 76, no update
+        # The lr this step applies: the param groups hold the full world's.
+        lr = optimizer.param_groups[0]["lr"] * run.lr_factor
         optimizer.step()
         sched.step()
         optimizer.zero_grad(set_to_none=True)
         if step == args.inject_corruption_at and rank == min(1, run.world_size - 1):
             with torch.no_grad():
                 model.head.weight[0, 0] *= -4.0  # a flipped sign and exponent bit
+        log.write(
+            step=step,
+            rank=rank,
+            world=run.world_size,
+            global_batch=run.global_batch,
+            indices=indices,
+            loss=total,
+            lr=lr,
+        )
         if args.step_sleep:
             time.sleep(args.step_sleep)
+    log.close()
     if args.save_final:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
