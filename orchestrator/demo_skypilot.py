@@ -75,8 +75,11 @@ class SkyLoop:
     """The emulator, the S3 server and the service; ``close`` stops all three and
     gives back every instance left."""
 
-    def __init__(self, home: Path, *, log: Any = None) -> None:
+    def __init__(self, home: Path, *, log: Any = None, env: dict[str, str] | None = None) -> None:
+        """``env``: more ``SKYRESUME_*`` settings for the service (e.g. the grouping)."""
         from orchestrator.awsemu import emulator, skyconf
+
+        extra = env
         from orchestrator.cloud.seaweed import start as seaweed
         from orchestrator.launchers.local import free_port
 
@@ -112,6 +115,7 @@ class SkyLoop:
                 AWS_ACCESS_KEY_ID=self.keys[0],
                 AWS_SECRET_ACCESS_KEY=self.keys[1],
             )
+            env.update(extra or {})
             self.env = env
             self.service_log = open(home / "service.log", "ab")  # noqa: SIM115 - close()
             self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve"],

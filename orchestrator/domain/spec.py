@@ -455,11 +455,13 @@ class JobSpec(_Strict):
                     f"({self.effective_min_nodes}) and num_nodes ({self.num_nodes}) may "
                     "train on (elastic.batch: keep)"
                 )
-            if self.elastic.batch == "scale" and (g * world) % (self.num_nodes * per):
-                raise ValueError(
-                    f"model.global_batch {g} does not scale to a whole batch on {n} nodes "
-                    f"(x {n}/{self.num_nodes}; elastic.batch: scale)"
-                )
+        full = self.num_nodes * per
+        if self.elastic.batch == "scale" and g % full:
+            # g/full per rank on every world: a whole, evenly split batch on any size.
+            raise ValueError(
+                f"model.global_batch {g} does not split evenly over the full {full} ranks, so "
+                "it cannot scale to a whole batch on fewer nodes (elastic.batch: scale)"
+            )
 
     @property
     def elastic_nodes(self) -> tuple[int, ...]:

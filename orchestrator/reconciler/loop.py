@@ -564,7 +564,13 @@ class Reconciler:
         parts = self._join_survivors(s, group, previous, plan.keep, plan.keep_hosts)
         if k >= n:
             return _Shrink(parts)
-        standby = self._part_request(request, k, n - k, {Env.NNODES: str(n), Env.STANDBY: "1"})
+        # Told the group's rendezvous (a kept node's address): a launcher that places
+        # nodes one by one puts the spare beside the group (SkyPilot's node grouping
+        # pins it to the survivor's zone); the grow restarts it with the same address.
+        address = work.node_address(s, previous.job_id, previous.number, plan.keep[0]) or ""
+        standby = self._part_request(
+            request, k, n - k, {Env.NNODES: str(n), Env.STANDBY: "1", Env.MASTER_ADDR: address}
+        )
         extra = tuple(h for h in plan.keep_hosts if h)
         try:
             spare = self.launcher.launch(

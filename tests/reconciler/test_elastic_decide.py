@@ -364,6 +364,6 @@ def test_an_elastic_global_batch_that_does_not_split_over_a_smaller_world_is_ref
 
 def test_a_scaled_global_batch_must_scale_to_a_whole_batch():
     doc = spec(batch="scale").model_dump(exclude_unset=True)
-    doc["model"]["global_batch"] = 10  # 10 x 2/3 is no whole batch
-    with pytest.raises(SpecError, match=r"does not scale to a whole batch on 2 nodes"):
+    doc["model"]["global_batch"] = 10  # not a whole batch per rank on the full 3 ranks
+    with pytest.raises(SpecError, match=r"global_batch 10 does not split evenly over the full 3"):
         validate_job_spec(doc)
