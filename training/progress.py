@@ -45,8 +45,16 @@ class ProgressReporter:
             self._sock.sendto(data, self._dest)
 
     def progress(
-        self, *, step: int, step_time: float, loss: float, grad_norm: float, samples_per_s: float
+        self,
+        *,
+        step: int,
+        step_time: float,
+        loss: float,
+        grad_norm: float,
+        samples_per_s: float,
+        max_steps: int | None = None,
     ) -> None:
+        """``max_steps``: where the run ends (the work left, for the service's choices)."""
         self.send(
             "progress",
             step=step,
@@ -54,4 +62,5 @@ class ProgressReporter:
             loss=loss,
             grad_norm=grad_norm,
             samples_per_s=samples_per_s,
+            max_steps=max_steps,
         )

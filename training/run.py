@@ -929,6 +929,7 @@ class Run:
             loss=loss,  # type: ignore[arg-type]
             grad_norm=gn,  # type: ignore[arg-type]
             samples_per_s=(self.global_batch or 0) / dt if dt > 0 else 0.0,
+            max_steps=self._max_steps,
         )
         if gn is not None:
             self._grad_norms.append((index, gn))

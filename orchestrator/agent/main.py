@@ -879,6 +879,7 @@ class Agent:
                     "step_time": p.step_time,
                     "loss": p.loss,
                     "grad_norm": p.grad_norm,
+                    "max_steps": p.max_steps,
                     "report_age_s": round(now - p.last_seen, 3) if p.last_seen else None,
                     "resumed": p.resumed,
                     "exit_code": r.exit_code if r.exited else None,

@@ -26,6 +26,8 @@ class RankProgress:
     step_time: float | None = None
     loss: float | None = None
     grad_norm: float | None = None
+    max_steps: int | None = None
+    """Where the run ends (``training.Run.steps``), when the rank says."""
     last_seen: float | None = None
     """time.monotonic() of the last datagram from this rank."""
     resumed: dict[str, Any] | None = None
@@ -79,6 +81,7 @@ class ProgressBoard:
                 p.step_time = finite(doc.get("step_time"))
                 p.loss = finite(doc.get("loss"))
                 p.grad_norm = finite(doc.get("grad_norm"))
+                p.max_steps = _int(doc.get("max_steps"))
             elif kind == "resumed":
                 p.resumed = {
                     "step": _int(doc.get("step")),

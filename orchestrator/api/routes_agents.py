@@ -263,6 +263,8 @@ class RankProgress(_Body):
     step_time: _Float | None = None
     loss: _Float | None = None
     grad_norm: _Float | None = None
+    max_steps: int | None = Field(default=None, ge=0, le=_I32)
+    """Where the run ends, when the rank says (the work left: elastic choices)."""
     report_age_s: _Float | None = None
     """Seconds since this rank's last datagram (None: it never sent one)."""
     resumed: ResumedInfo | None = None

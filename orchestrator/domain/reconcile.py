@@ -194,6 +194,8 @@ class RankView:
     cpu_idle_s: float | None = None
     """Seconds since the rank's process last used CPU, as its agent measured (None: not
     measured). Evidence of work for a script that sends no progress reports."""
+    max_steps: int | None = None
+    """Where the rank's run ends (``training.Run.steps``), when it says."""
 
 
 @dataclass(frozen=True)
@@ -1482,11 +1484,14 @@ def _select(
         )
         if spec.elastic_nodes:
             times = [r.step_time for n in a.nodes for r in n.ranks if r.step_time is not None]
+            ends = [r.max_steps for n in a.nodes for r in n.ranks if r.max_steps is not None]
+            last = a.last_step()
             shrink = el.choose_shrink(
                 spec,
                 len(kept),
                 provision_s=s.provision_s,
                 startup_s=s.startup_s,
+                steps_left=max(0, max(ends) - last) if ends and last is not None else None,
                 step_time_s=max(times) if times else None,
                 cfg=cfg.elastic,
             )

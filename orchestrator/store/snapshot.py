@@ -420,6 +420,7 @@ def _attempt_view(
                 cpu_idle_s=r.get("cpu_idle_s")
                 if isinstance(r.get("cpu_idle_s"), int | float)
                 else None,
+                max_steps=_int_or_none(r.get("max_steps")),
             )
             for r in prog.get("ranks", []) or []
             if isinstance(r, dict)

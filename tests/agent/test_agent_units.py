@@ -282,12 +282,14 @@ def test_datagrams_from_the_training_librarys_reporter_reach_the_listener():
     listener = ProgressListener(board).start()
     try:
         rep = ProgressReporter(listener.addr, rank=3)
-        rep.progress(step=4, step_time=0.5, loss=2.0, grad_norm=1.0, samples_per_s=8.0)
+        rep.progress(step=4, step_time=0.5, loss=2.0, grad_norm=1.0, samples_per_s=8.0,
+                     max_steps=90)  # fmt: skip
         for _ in range(200):
             if board.snapshot(3).step == 4:
                 break
             time.sleep(0.01)
         assert board.snapshot(3).loss == 2.0
+        assert board.snapshot(3).max_steps == 90  # where the run ends: the work left
     finally:
         listener.stop()
 

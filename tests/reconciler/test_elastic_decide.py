@@ -367,3 +367,15 @@ def test_a_scaled_global_batch_must_scale_to_a_whole_batch():
     doc["model"]["global_batch"] = 10  # not a whole batch per rank on the full 3 ranks
     with pytest.raises(SpecError, match=r"global_batch 10 does not split evenly over the full 3"):
         validate_job_spec(doc)
+
+
+def test_the_work_left_the_ranks_report_is_weighed_at_select():
+    """The ranks say where their run ends (``max_steps``): 5 steps of 0.5 s left end
+    on the 2 survivors long before even a 30 s replacement, so they train now."""
+    s = lost_n2(provision_s=(30.0,))
+    ends = tuple(
+        replace(n, ranks=tuple(replace(r, max_steps=55) for r in n.ranks)) for n in s.attempt.nodes
+    )
+    sel = selection(replace(s, attempt=replace(s.attempt, nodes=ends)))
+    assert sel.result.verb is rc.LaunchVerb.SHRINK
+    assert "the 5 steps left end on 2 nodes" in sel.detail and "no grow needed" in sel.detail
