@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import queue
+import secrets
 import shlex
 import signal
 import socket
@@ -728,6 +729,8 @@ class Agent:
         """The heartbeat period: ours, or the longer one the service named (a big fleet)."""
         self.outbox = _Outbox()
         self.superseded: str | None = None
+        self.instance = secrets.token_hex(16)
+        """This agent process's random id, sent with every register."""
         self.notice_at: float | None = None
         self.service_date: hc.ServiceDate | None = None
         self._fr_seen: set[str] = set()
@@ -909,6 +912,9 @@ class Agent:
             "agent_version": __version__,
             "agent_build": installed_build_id(),
             "protocol": AGENT_PROTOCOL,
+            # This process's own id: a register retried after a lost answer is this
+            # agent again, not a replay of its spent enrolment token.
+            "instance": self.instance,
         }
         sent = time.time()
         try:

@@ -204,6 +204,11 @@ class RegisterIn(_Checked):
     two builds of one version speak the same protocol)."""
     protocol: StrictInt | None = Field(default=None, ge=0, le=_I32)
     """``contract.AGENT_PROTOCOL`` as the agent knows it."""
+    instance: str | None = Field(default=None, min_length=16, max_length=64)
+    """A random id the agent process drew at start. A register with the same enrolment
+    token and the same instance is that agent asking again after its first answer was
+    lost, and is answered again; without it, or with another, a spent enrolment token
+    is a replay (401)."""
 
 
 class RegisterOut(BaseModel):
@@ -501,8 +506,9 @@ def register(
                 # Spent in the register's own transaction: a register that fails (409,
                 # 404) leaves the enrolment for the node to try again.
                 tokens.use_enrolment(
-                    session, request.app.state.token, enrolment, job_id, attempt, node_id
-                )
+                    session, request.app.state.token, enrolment, job_id, attempt, node_id,
+                    instance=body.instance,
+                )  # fmt: skip
             if pending is not None:
                 agents.store_heartbeats(session, [pending])
             _require_launched_node(session, job_id, attempt, node_id)

@@ -279,6 +279,9 @@ class AgentEnrolment(Base):
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     attempt: Mapped[int] = mapped_column(Integer)
     used_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    instance_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    """sha256 of the agent process's own random id (``RegisterIn.instance``): the same
+    agent registering again after its answer was lost is answered again."""
 
 
 class NodeLog(Base):

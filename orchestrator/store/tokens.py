@@ -259,11 +259,18 @@ def use_enrolment(
     attempt: int,
     node_id: str,
     *,
+    instance: str | None = None,
     now: datetime | None = None,
 ) -> None:
     """Spend ``plain`` for ``node_id`` (one of ``<job>-a<attempt>-n<k>``, k below the
     attempt's node count), or :class:`EnrolmentRefused` naming why: not one of ours,
-    another attempt's, expired, or already used by this node (a replay)."""
+    another attempt's, expired, or already used by this node (a replay).
+
+    ``instance`` (the agent process's random id, sent with its register) makes the
+    exchange idempotent for that process alone: the same agent asking again with the
+    same token, because the answer to its first register was lost (a slow service, a
+    dropped connection), is answered again; anyone else presenting the spent token is
+    still a replay."""
     now = now or utcnow()
     m = _ENROLMENT.match(plain)
     if m is None:
@@ -293,13 +300,20 @@ def use_enrolment(
             with session.begin_nested():
                 row = AgentEnrolment(
                     token_hash=token_hash, node_id=node_id, job_id=job_id, attempt=attempt,
-                    used_at=now,
+                    used_at=now, instance_hash=digest(instance) if instance else None,
                 )  # fmt: skip
                 session.add(row)
                 session.flush()
             return
         except IntegrityError:  # another register of the same node won the race
             used = session.get(AgentEnrolment, (token_hash, node_id))
+    if (
+        used is not None
+        and instance
+        and used.instance_hash
+        and hmac.compare_digest(used.instance_hash, digest(instance))
+    ):
+        return  # the same agent again: its first answer never reached it
     when = _utc(used.used_at).isoformat(timespec="seconds") if used is not None else "just now"
     raise EnrolmentRefused(
         f"this enrolment token was already used by node {node_id} at {when}: a replay "

@@ -126,3 +126,23 @@ def test_a_registered_agent_registers_again_with_its_agent_token(client, job):
     issued = enrol(client, job, mint(client, job)).json()["agent_token"]
     again = enrol(client, job, issued)
     assert again.status_code == 200 and again.json()["agent_token"] is None
+
+
+def test_the_same_agent_asking_again_after_a_lost_answer_gets_its_token_again(client, job):
+    """A register whose answer never reached the agent (the service was slow, the
+    connection dropped) spent the enrolment all the same: the agent process asks again
+    with the same token and its own instance id, and is answered again. Seen on the
+    emulated AWS under load: refused as a replay, the node never beat again and was
+    declared lost."""
+    token = mint(client, job)
+    me = {"instance": "a" * 32}
+    body = {"node_rank": 0, "ranks": [], **AGENT, **me}
+    auth = {"Authorization": f"Bearer {token}"}
+    first = client.post(node(job) + "/register", json=body, headers=auth)
+    again = client.post(node(job) + "/register", json=body, headers=auth)
+    assert (first.status_code, again.status_code) == (200, 200), again.text
+    assert again.json()["agent_token"] == first.json()["agent_token"]
+    other = client.post(
+        node(job) + "/register", json={**body, "instance": "b" * 32}, headers=auth
+    )
+    assert other.status_code == 401 and "replay" in other.json()["detail"]
