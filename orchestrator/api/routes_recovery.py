@@ -13,6 +13,7 @@ from sqlalchemy import select
 from orchestrator.api.deps import OperatorDep, SessionDep
 from orchestrator.api.strict import StrictQueryRoute
 from orchestrator.contract import AttemptState, CommandType, FaultKind
+from orchestrator.domain.reconcile import LaunchVerb
 from orchestrator.domain.spec import INT32_MAX, refuse_unstorable
 from orchestrator.domain.status import JobStatus
 from orchestrator.launchers.base import ChaosLauncher, LaunchError
@@ -66,6 +67,10 @@ def list_attempts(job_id: str, session: SessionDep) -> dict[str, Any]:
                 },
                 "in_place": records.restarted_in_place(a),
                 "launch_verb": str(records.launched_verb(a)),
+                # The nodes that trained: fewer than num_nodes (the size it was placed
+                # for) on a shrunk attempt, whose other nodes are its standby spares.
+                "training_nodes": _training_nodes(a),
+                "spare": _spare(a),
                 "exclude_hosts": list((a.knobs or {}).get("exclude_hosts") or []),
                 "nodes": [
                     {
@@ -81,6 +86,19 @@ def list_attempts(job_id: str, session: SessionDep) -> dict[str, Any]:
             }
         )
     return {"items": out}
+
+
+def _training_nodes(a: Attempt) -> int:
+    plan = records.launch_plan_of(a)
+    return plan.train_nodes if plan.verb is LaunchVerb.SHRINK and plan.train_nodes else a.num_nodes
+
+
+def _spare(a: Attempt) -> dict[str, Any] | None:
+    """A shrunk attempt's standby replacements: how many, and why they were given back."""
+    plan = records.launch_plan_of(a)
+    if plan.verb is not LaunchVerb.SHRINK or plan.train_nodes is None:
+        return None
+    return {"count": a.num_nodes - plan.train_nodes, "released": plan.spare_released}
 
 
 @router.get("/jobs/{job_id}/incidents")

@@ -16,6 +16,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from orchestrator.contract import EventKind
+from orchestrator.domain.failures import PLANNED
 from orchestrator.domain.protocol import ProtocolStep
 from orchestrator.store.goodput import failed_attempt_last_step, rank_values
 from orchestrator.store.models import Attempt, FailureEvent, Node
@@ -143,6 +144,9 @@ def incidents(s: Session, job_id: str) -> list[dict[str, Any]]:
                 "occurred_at": utc(inc.occurred_at),
                 "remedy": str(chosen.remedy) if chosen is not None else None,
                 "launch_verb": str(chosen.verb) if chosen is not None else None,
+                # A planned reshape (an elastic run's grow back), not a failure.
+                "planned": inc.failure_class in {str(c) for c in PLANNED},
+                "train_nodes": chosen.train_nodes if chosen is not None else None,
                 "last_step": last,
                 "resumed_step": resumed,
                 "steps_lost": (

@@ -119,6 +119,8 @@ def test_three_nodes_shrink_to_two_at_once_and_grow_back_seeing_every_sample_onc
     # The node loss shrank the group at once; the replacement was launched beside it.
     assert lost["failure_class"] == "node_lost" and lost["node_id"] == killed["node_id"]
     assert "train at once as a group of 2" in step_detail(lost, "select_replacement")
+    assert (lost["planned"], lost["launch_verb"], lost["train_nodes"]) == (False, "shrink", 2)
+    assert grow["planned"] is True  # a reshape, not a failure
     assert "launching beside as standby" in step_detail(lost, "launch")
     assert [len(a["nodes"]) for a in attempts][:1] == [3]
     # The grow: a save at the step boundary (no step lost), every node kept.
