@@ -20,6 +20,10 @@ checkpoints to ``s3://``, then:
 The service recovers from each on its own; the demo only watches, prints the
 incident table and checks the outcome: it exits 0 only when training finished and
 every resume was validated on every rank (and the preemption lost no step).
+
+``skyresume demo --elastic`` (orchestrator/demo_elastic.py) runs an elastic job on
+this service instead; ``--launcher skypilot`` (orchestrator/demo_skypilot.py) goes
+through SkyPilot on the emulated AWS.
 """
 
 from __future__ import annotations
@@ -291,8 +295,7 @@ def run_demo(home: Path | None = None, steps: int = 120, timeout_s: float = 900.
     http = None
     try:
         http = svc.wait_ready()
-        console.print(f"service up at {svc.url} (SQLite, local launcher, reconciler on)")
-        console.print(f"nodes: {svc.network}")
+        announce(svc)
         if svc.gateway == "127.0.0.1":
             console.print("[yellow]no network namespaces: the partition step is skipped[/yellow]")
         console.print(f"checkpoints: {svc.checkpoint_uri} (SeaweedFS S3 at {svc.s3.endpoint_url})")
@@ -343,24 +346,47 @@ def run_demo(home: Path | None = None, steps: int = 120, timeout_s: float = 900.
         s = wait_for(http, job, "the end", lambda st, n, v, step: st == "SUCCEEDED", deadline)
         return _report(http, job, svc, home, incident_table)
     except DemoError as e:
-        console.print(f"[red]demo failed:[/red] {e}")
-        if http is not None and job is not None:
-            with contextlib.suppress(Exception):
-                console.print(incident_table(api_get(http, f"/v1/jobs/{job}/incidents")["items"]))
-        console.print(f"logs: {home / 'service.log'}, {home / 'local-nodes'}")
-        return 1
+        return demo_failed(e, http, job, home)
     finally:
-        if http is not None and job is not None:
-            with contextlib.suppress(Exception):
-                if api_get(http, f"/v1/jobs/{job}")["status"] not in ("SUCCEEDED", "FAILED"):
-                    http.post(f"/v1/jobs/{job}/cancel")
-                    time.sleep(3)  # the reconciler tears the nodes down
-        svc.stop()
+        wind_down(svc, http, job)
+
+
+def announce(svc: DemoService) -> None:
+    console.print(f"service up at {svc.url} (SQLite, local launcher, reconciler on)")
+    console.print(f"nodes: {svc.network}")
+
+
+def demo_failed(e: DemoError, http: Any, job: str | None, home: Path) -> int:
+    """Say why, with the incidents so far and where the logs are; the exit status."""
+    console.print(f"[red]demo failed:[/red] {e}")
+    if http is not None and job is not None:
+        with contextlib.suppress(Exception):
+            console.print(incident_table(api_get(http, f"/v1/jobs/{job}/incidents")["items"]))
+    console.print(f"logs: {home / 'service.log'}, {home / 'local-nodes'}")
+    return 1
+
+
+def wind_down(svc: DemoService, http: Any, job: str | None) -> None:
+    """Cancel the job unless it ended, then stop the service and give back its nodes."""
+    if http is not None and job is not None:
+        with contextlib.suppress(Exception):
+            if api_get(http, f"/v1/jobs/{job}")["status"] not in ("SUCCEEDED", "FAILED"):
+                http.post(f"/v1/jobs/{job}/cancel")
+                time.sleep(3)  # the reconciler tears the nodes down
+    svc.stop()
+
+
+def incident_step(incident: dict[str, Any], step: str) -> dict[str, Any] | None:
+    """One protocol step of an incident (``GET .../incidents``), None before it started."""
+    return next((s for s in incident["steps"] if s["step"] == step), None)
+
+
+def step_detail(incident: dict[str, Any], step: str) -> str:
+    return str((incident_step(incident, step) or {}).get("detail") or "")
 
 
 def _select(incident: dict[str, Any]) -> str:
-    step = next((s for s in incident["steps"] if s["step"] == "select_replacement"), None)
-    return str((step or {}).get("detail") or "")
+    return step_detail(incident, "select_replacement")
 
 
 def _report(http: Any, job: str, svc: DemoService, home: Path, incident_table: Any) -> int:

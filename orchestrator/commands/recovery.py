@@ -216,6 +216,14 @@ def register(app: typer.Typer) -> None:
             typer.Option(help="local, or skypilot: SkyPilot's real provisioner on the "
                          "emulated AWS (root; scripts/awsemu-prepare first)"),
         ] = "local",
+        elastic: Annotated[
+            bool,
+            typer.Option(
+                "--elastic",
+                help="an elastic 3x1 run (min_nodes 2): a node killed, the 2 survivors "
+                "train at once, the group grows back to 3",
+            ),
+        ] = False,
     ) -> None:
         """A 2x2 CPU training run, preempted then a node killed, recovered from both.
 
@@ -223,7 +231,15 @@ def register(app: typer.Typer) -> None:
         failures, prints the incident table. Exits 0 only if training finished with
         every resume validated on every rank. ``--launcher skypilot``: a 2x1 run
         through SkyPilot's API server on the emulated AWS, a spot notice on one node
-        (docs/awsemu.md: Through SkyPilot)."""
+        (docs/awsemu.md: Through SkyPilot). ``--elastic``: a 3x1 job with min_nodes 2
+        loses a node, shrinks onto the survivors while the replacement comes up as
+        standby, then grows back (at least 200 steps; docs/recovery.md)."""
+        if elastic:
+            if launcher != "local":
+                raise typer.BadParameter("--elastic runs on the local launcher")
+            from orchestrator.demo_elastic import run_demo as run_elastic_demo
+
+            raise typer.Exit(run_elastic_demo(home=home, steps=steps, timeout_s=timeout))
         if launcher == "skypilot":
             from orchestrator.demo_skypilot import run_demo as run_sky_demo
 
