@@ -25,6 +25,8 @@ Seconds = Annotated[float, PlainSerializer(lambda x: round(x, 3), return_type=fl
 OptSeconds = Annotated[float | None, PlainSerializer(lambda x: None if x is None else round(x, 3))]
 Usd = Annotated[float | None, PlainSerializer(lambda x: None if x is None else round(x, 2))]
 Fraction = Annotated[float, PlainSerializer(lambda x: round(x, 5), return_type=float)]
+Hours = Annotated[float, PlainSerializer(lambda x: round(x, 4), return_type=float)]
+Rate = Annotated[float | None, PlainSerializer(lambda x: None if x is None else round(x, 6))]
 
 
 class _FromStore(BaseModel):
@@ -57,7 +59,19 @@ class AttemptOut(_FromStore):
     validated_step: int | None
     incident_id: int | None
     step_seconds: OptSeconds = Field(description="slowest rank's step time, last heartbeat")
-    usd: Usd = Field(description="up time x nodes x price; null if unpriced")
+    usd: Usd = Field(description="(node-hours + spare node-hours) x price; null if unpriced")
+    training_nodes: int = Field(description="nodes whose ranks trained (num_nodes unless shrunk)")
+    shrunk: bool = Field(description="placed for num_nodes, trained on training_nodes")
+    spare_nodes: int = Field(description="standby spares beside a shrunk group (else 0)")
+    spare_released: str | None = Field(description="why the spares were given back, if they were")
+    wall_seconds: Seconds = Field(description="started to ended (or now): what is billed")
+    training_seconds: Seconds = Field(description="nodes up to its end or the next incident")
+    node_hours: Hours = Field(description="training nodes x wall time")
+    spare_node_hours: Hours = Field(description="spares x the time they were held")
+    steps_per_second: Rate = Field(description="the phase's throughput; null if unknown")
+    throughput_source: str | None = Field(
+        description="progress_samples (the run's series) or step_time (1 / step_seconds)"
+    )
 
 
 class IncidentOut(_FromStore):
@@ -82,6 +96,7 @@ class IncidentOut(_FromStore):
     steps: list[ProtocolStepOut]
     lost_work_seconds: Seconds
     usd: Usd = Field(description="(MTTR + lost work) at the failed attempt's price")
+    planned: bool = Field(description="a planned reshape (elastic_grow), not a failure")
 
 
 class GoodputOut(_FromStore):
@@ -102,6 +117,10 @@ class GoodputOut(_FromStore):
     step_seconds: OptSeconds
     total_usd: Usd
     lost_usd: Usd
+    shrunk_seconds: Seconds = Field(description="training time on fewer than the spec's nodes")
+    reshape_seconds: Seconds = Field(description="of failure_seconds, planned reshapes (grows)")
+    node_hours: Hours = Field(description="every attempt's training node-hours")
+    spare_node_hours: Hours = Field(description="shrunk attempts' standby spares' node-hours")
     attempts: list[AttemptOut]
     incidents: list[IncidentOut]
 

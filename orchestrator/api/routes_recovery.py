@@ -13,13 +13,13 @@ from sqlalchemy import select
 from orchestrator.api.deps import OperatorDep, SessionDep
 from orchestrator.api.strict import StrictQueryRoute
 from orchestrator.contract import AttemptState, CommandType, FaultKind
-from orchestrator.domain.reconcile import LaunchVerb
 from orchestrator.domain.spec import INT32_MAX, refuse_unstorable
 from orchestrator.domain.status import JobStatus
 from orchestrator.launchers.base import ChaosLauncher, LaunchError
 from orchestrator.store import records, repo
 from orchestrator.store.incidents import incidents
 from orchestrator.store.models import Attempt, Node, NodeCommand
+from orchestrator.store.shape import AttemptShape, job_shapes
 
 router = APIRouter(prefix="/v1", dependencies=[OperatorDep], route_class=StrictQueryRoute)
 
@@ -33,9 +33,14 @@ def _job(session: SessionDep, job_id: str):  # type: ignore[no-untyped-def]
 
 @router.get("/jobs/{job_id}/attempts")
 def list_attempts(job_id: str, session: SessionDep) -> dict[str, Any]:
-    """Every launch of the job, newest last, with its nodes and their last heartbeat."""
+    """Every launch of the job, newest last, with its nodes and their last heartbeat.
+
+    ``num_nodes`` is the size the attempt was placed for; ``training_nodes`` the nodes
+    whose ranks trained: fewer on a shrunk attempt (an elastic run), whose ``spare``
+    is ``{count, released, node_ids}`` (its standby replacements; null otherwise)."""
     _job(session, job_id)
     out = []
+    shapes = job_shapes(session, job_id)
     for a in session.scalars(
         select(Attempt).where(Attempt.job_id == job_id).order_by(Attempt.number)
     ):
@@ -44,6 +49,7 @@ def list_attempts(job_id: str, session: SessionDep) -> dict[str, Any]:
             .where(Node.job_id == job_id, Node.attempt == a.number)
             .order_by(Node.node_rank)
         )
+        shape = shapes[a.number]
         out.append(
             {
                 "number": a.number,
@@ -69,8 +75,8 @@ def list_attempts(job_id: str, session: SessionDep) -> dict[str, Any]:
                 "launch_verb": str(records.launched_verb(a)),
                 # The nodes that trained: fewer than num_nodes (the size it was placed
                 # for) on a shrunk attempt, whose other nodes are its standby spares.
-                "training_nodes": _training_nodes(a),
-                "spare": _spare(a),
+                "training_nodes": shape.training_nodes,
+                "spare": _spare(shape),
                 "exclude_hosts": list((a.knobs or {}).get("exclude_hosts") or []),
                 "nodes": [
                     {
@@ -88,17 +94,13 @@ def list_attempts(job_id: str, session: SessionDep) -> dict[str, Any]:
     return {"items": out}
 
 
-def _training_nodes(a: Attempt) -> int:
-    plan = records.launch_plan_of(a)
-    return plan.train_nodes if plan.verb is LaunchVerb.SHRINK and plan.train_nodes else a.num_nodes
-
-
-def _spare(a: Attempt) -> dict[str, Any] | None:
-    """A shrunk attempt's standby replacements: how many, and why they were given back."""
-    plan = records.launch_plan_of(a)
-    if plan.verb is not LaunchVerb.SHRINK or plan.train_nodes is None:
+def _spare(shape: AttemptShape) -> dict[str, Any] | None:
+    """A shrunk attempt's standby replacements: how many were asked for, why they were
+    given back (null: they were not), and their node ids (launched or registered)."""
+    sp = shape.spare
+    if sp is None:
         return None
-    return {"count": a.num_nodes - plan.train_nodes, "released": plan.spare_released}
+    return {"count": sp.count, "released": sp.released, "node_ids": list(sp.node_ids)}
 
 
 @router.get("/jobs/{job_id}/incidents")

@@ -1,8 +1,11 @@
 """CLI: ``skyresume goodput JOB [-o json]``, a client of ``GET /v1/jobs/{id}/goodput``.
 
 The table view answers "where did the time and money go": the split of wall time
-(Meta's effective training time), then one row per incident with its MTTR broken
-down by restart-protocol step, the steps redone and what it cost.
+(Meta's effective training time), one row per phase (attempt) with the nodes it
+trained on, its training time, throughput and node-hours (an elastic run's shrunk
+phases marked, their standby spares counted apart), then one row per incident with
+its MTTR broken down by restart-protocol step, the steps redone and what it cost (a
+planned reshape, an elastic grow, marked as one).
 """
 
 from __future__ import annotations
@@ -43,6 +46,39 @@ def _share(part: float, whole: float) -> str:
     return f"{part / whole:.1%}" if whole else "-"
 
 
+def _nodes(a: dict[str, Any]) -> str:
+    """``3``, or a shrunk phase's ``2 of 3, shrunk, +1 spare (given back)``."""
+    if not a.get("shrunk"):
+        return str(a["training_nodes"])
+    spare = f"+{a['spare_nodes']} spare" + (" (given back)" if a["spare_released"] else "")
+    return f"{a['training_nodes']} of {a['num_nodes']}, shrunk, {spare}"
+
+
+def _rate(a: dict[str, Any]) -> str:
+    x = a["steps_per_second"]
+    if x is None:
+        return "?"
+    return f"{x:.3g}" + (" (step time)" if a["throughput_source"] == "step_time" else "")
+
+
+def _phases(doc: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    t = Table("#", "NODES", "TRAINED", "STEPS/S", "NODE-H", "SPARE NODE-H", "COST",
+              title="phases (attempts): the nodes each trained on")  # fmt: skip
+    for a in doc["attempts"]:
+        t.add_row(
+            str(a["number"]),
+            _nodes(a),
+            _duration(a["training_seconds"]),
+            _rate(a),
+            f"{a['node_hours']:.2f}",
+            f"{a['spare_node_hours']:.2f}" if a["shrunk"] else "-",
+            _usd(a["usd"]),
+        )
+    return t
+
+
 def goodput(
     job_id: Annotated[str, typer.Argument(help="job id")],
     output: OutputOpt = Output.table,
@@ -57,8 +93,12 @@ def goodput(
 
     wall = doc["wall_seconds"]
     state = "so far" if doc["live"] else "final"
+    planned = sum(1 for i in doc["incidents"] if i["planned"])
+    restarts = f"{doc['restart_count']} restarts" + (
+        f" ({planned} of them planned reshapes)" if planned else ""
+    )
     console.print(
-        f"{doc['job_id']} ({doc['name']}) {doc['status']}, {doc['restart_count']} restarts: "
+        f"{doc['job_id']} ({doc['name']}) {doc['status']}, {restarts}: "
         f"effective training time {doc['effective_training_fraction']:.1%} ({state})",
         markup=False,
         highlight=False,
@@ -83,6 +123,19 @@ def goodput(
         highlight=False,
         soft_wrap=True,
     )
+    if doc["attempts"]:
+        console.print(_phases(doc))
+    if doc["shrunk_seconds"] or doc["reshape_seconds"]:
+        console.print(
+            f"time spent shrunk {_duration(doc['shrunk_seconds'])} "
+            f"({_share(doc['shrunk_seconds'], wall)} of wall); planned reshapes (grows) "
+            f"{_duration(doc['reshape_seconds'])} of the restart-protocol time; training "
+            f"nodes {doc['node_hours']:.2f} node-h, standby spares "
+            f"{doc['spare_node_hours']:.2f} node-h",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
     if not doc["incidents"]:
         console.print("no incidents")
         return
@@ -108,7 +161,7 @@ def goodput(
         t.add_row(
             str(i["id"]),
             i["occurred_at"][5:16].replace("T", " "),
-            i["failure_class"],
+            i["failure_class"] + (" (planned reshape)" if i["planned"] else ""),
             where or "-",
             mttr,
             redone,

@@ -38,11 +38,36 @@ Where each figure comes from:
 * **step time**: per attempt, the slowest rank's ``step_time`` in its nodes' last
   heartbeat (synchronous training goes at the slowest rank's pace); the job's is the
   mean over attempts weighted by how long each ran;
-* **dollars**: an attempt costs ``num_nodes x price_per_node_hour`` while it is up;
-  an incident costs (MTTR + lost work) at the price of the attempt that failed, as
+* **dollars**: an attempt costs its node-hours x ``price_per_node_hour`` from its
+  start to its end (a shrunk attempt's spares only while held, below); an incident
+  costs (MTTR + lost work) at the price of the attempt that failed, as
   all of its nodes are paid for while nothing useful happens. ``JobRun`` holds one
   price, but a replacement may run on another plan, so dollars are priced here per
   attempt and the pure accounting only splits time.
+
+Elastic runs (a shrunk attempt, ``store.shape``): each attempt is a **phase** with
+the nodes that trained in it (``training_nodes``; a shrunk one is placed for the full
+size, ``num_nodes``), so
+
+* **node-hours** of an attempt count its training nodes over its wall time (started
+  to ended, as dollars do); a shrunk
+  attempt's standby spares bill separately (``spare_node_hours``): from the launch
+  request (they bill while they boot) until they were given back or the attempt ended
+  (the grow ends it: from then on they are training nodes of the next); a standby
+  launch the launcher refused bills nothing. Dollars are both at the node price; an
+  incident of a shrunk attempt is priced at the nodes held while it ran;
+* a phase's **training time** runs from its nodes being up (not before the incident
+  it recovers from ended) to its end or the detection of the incident that ended it;
+  the job's **time spent shrunk** is the union of the training time of its phases
+  that trained on fewer nodes than the spec's ``num_nodes``;
+* **throughput** (steps per second) of a phase is the median over ranks of each
+  rank's steps over time in the run's series (``progress_samples``: first to last
+  sample of the attempt); without samples, one over the phase's step time (the
+  slowest rank's ``step_time`` in its last heartbeats); else unknown. A phase says
+  which (``throughput_source``);
+* an ``elastic_grow`` incident is a **planned reshape**, not a failure: its pause is
+  still restart-protocol time (``failure_seconds``: the ranks save and restart),
+  and ``reshape_seconds`` says how much of it was planned.
 
 Read-only: nothing here writes.
 """
@@ -50,22 +75,24 @@ Read-only: nothing here writes.
 from __future__ import annotations
 
 import logging
+import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from orchestrator.domain.failures import FailureClass
+from orchestrator.domain.failures import PLANNED, FailureClass
 from orchestrator.domain.goodput import Incident, JobRun, StepTiming, account_goodput
 from orchestrator.domain.protocol import ORDER, ProtocolStep, StepOutcome
 from orchestrator.domain.spec import JobSpec
 from orchestrator.domain.status import JobStatus
 from orchestrator.store import repo
-from orchestrator.store.models import Attempt, FailureEvent, Node
+from orchestrator.store.models import Attempt, FailureEvent, Node, ProgressSample
 from orchestrator.store.models import ProtocolStep as ProtocolStepRow
+from orchestrator.store.shape import AttemptShape, attempt_shape, spare_releases
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +137,27 @@ class AttemptReport:
     step_seconds: float | None
     """Slowest rank's step time in the last heartbeat of this attempt's nodes."""
     usd: float | None
-    """Up time x nodes x price; None when the price is unknown."""
+    """(Node-hours + spare node-hours) x price; None when the price is unknown."""
+    training_nodes: int = 0
+    """The nodes whose ranks trained (a shrunk attempt's group; else ``num_nodes``)."""
+    shrunk: bool = False
+    """Placed for ``num_nodes`` but trained on ``training_nodes`` beside its spares."""
+    spare_nodes: int = 0
+    """Standby spares asked for beside the group (0 unless shrunk)."""
+    spare_released: str | None = None
+    """Why the spares were given back (None: they were not, or the group grew)."""
+    wall_seconds: float = 0.0
+    """Started to ended (or the report's end): what its nodes are billed for."""
+    training_seconds: float = 0.0
+    """Nodes up (after the incident it recovers from) to its end or next incident."""
+    node_hours: float = 0.0
+    """Training nodes x wall time."""
+    spare_node_hours: float = 0.0
+    """Spares x the time they were held (launch request to release or attempt end)."""
+    steps_per_second: float | None = None
+    """Throughput of the phase (``throughput_source`` says from what); None: unknown."""
+    throughput_source: str | None = None
+    """``progress_samples`` (the run's series) or ``step_time`` (1 / step_seconds)."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +186,8 @@ class IncidentReport:
     """Seconds per protocol step, in protocol order (a step run twice is summed)."""
     lost_work_seconds: float
     usd: float | None
+    planned: bool = False
+    """A planned reshape (``elastic_grow``), not a failure."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +211,14 @@ class JobGoodput:
     lost_usd: float | None
     attempts: tuple[AttemptReport, ...] = ()
     incidents: tuple[IncidentReport, ...] = field(default=())
+    shrunk_seconds: float = 0.0
+    """Training time of phases on fewer nodes than the spec's ``num_nodes``."""
+    reshape_seconds: float = 0.0
+    """The part of ``failure_seconds`` spent in planned reshapes (grows)."""
+    node_hours: float = 0.0
+    """Every phase's training node-hours."""
+    spare_node_hours: float = 0.0
+    """Every shrunk phase's standby spares' node-hours."""
 
     @property
     def effective_training_fraction(self) -> float:
@@ -234,10 +291,63 @@ def _union_seconds(spans: Iterable[tuple[float, float]]) -> float:
     return total
 
 
-def _dollars_per_second(a: Attempt) -> float | None:
-    if a.price_per_node_hour is None:
-        return None
-    return a.num_nodes * a.price_per_node_hour / 3600.0
+def _held_nodes(shape: AttemptShape, at: datetime) -> int:
+    """The nodes of an attempt paid for at ``at``: its training group, and a shrunk
+    one's spares while they were held (launched, not given back yet)."""
+    sp = shape.spare
+    if sp is None:
+        return shape.training_nodes
+    held = sp.launched and (sp.released is None or sp.released_at is None or sp.released_at > at)
+    return shape.training_nodes + (sp.count if held else 0)
+
+
+def _spare_span(
+    a: Attempt,
+    shape: AttemptShape,
+    span: tuple[float, float],
+    t: Callable[[datetime | None], float],
+) -> float:
+    """Seconds a shrunk attempt's spares were held: from the launch request (a VM bills
+    while it boots) to their release, else the attempt's end (a grow ends it: the spares
+    train in the next attempt). A refused standby launch held nothing."""
+    sp = shape.spare
+    if sp is None or not sp.launched:
+        return 0.0
+    asked = _as_str((a.handle or {}).get("requested_at"))
+    start = t(datetime.fromisoformat(asked)) if asked else span[0]
+    end = span[1] if sp.released is None or sp.released_at is None else t(sp.released_at)
+    return max(0.0, min(end, span[1]) - start)
+
+
+def sampled_steps_per_second(session: Session, job_id: str) -> dict[int, float]:
+    """attempt -> steps per second in the run's series: each rank's steps from its
+    first to its last sample of the attempt over the time between, the median over
+    ranks (synchronous ranks step together; the median drops a rank sampled late).
+    One row per (attempt, rank) comes back, whatever the number of samples."""
+    rows = session.execute(
+        select(
+            ProgressSample.attempt,
+            func.min(ProgressSample.at),
+            func.max(ProgressSample.at),
+            func.min(ProgressSample.step),
+            func.max(ProgressSample.step),
+        )
+        .where(ProgressSample.job_id == job_id)
+        .group_by(ProgressSample.attempt, ProgressSample.rank)
+    )
+    per_rank: dict[int, list[float]] = defaultdict(list)
+    for attempt, first, last, low, high in rows:
+        if first is None or last is None:
+            continue
+        dt = (_utc(last) - _utc(first)).total_seconds()
+        if dt > 0 and high >= low:
+            per_rank[attempt].append((high - low) / dt)
+    return {k: statistics.median(v) for k, v in per_rank.items() if v}
+
+
+def is_planned(failure_class: str | None) -> bool:
+    """A planned reshape (an elastic grow), which no count of failures includes."""
+    return failure_class in {str(c) for c in PLANNED}
 
 
 def _cause_id(event: FailureEvent) -> int | None:
@@ -309,6 +419,13 @@ def job_goodput(session: Session, job_id: str, *, now: datetime | None = None) -
         session.scalars(select(Attempt).where(Attempt.job_id == job_id).order_by(Attempt.number))
     )
     nodes = list(session.scalars(select(Node).where(Node.job_id == job_id)))
+    released = spare_releases(session, job_id)
+    shapes = {
+        a.number: attempt_shape(
+            a, [n for n in nodes if n.attempt == a.number], released.get(a.number)
+        )
+        for a in attempts
+    }
     step_rows = list(
         session.scalars(
             select(ProtocolStepRow)
@@ -355,7 +472,8 @@ def job_goodput(session: Session, job_id: str, *, now: datetime | None = None) -
     }
 
     # A plain script resumes from its own snapshot only when the spec says where it is.
-    own_checkpoint = JobSpec.model_validate(job.spec).checkpoint.own is not None
+    spec = JobSpec.model_validate(job.spec)
+    own_checkpoint = spec.checkpoint.own is not None
     incident_end: dict[int, float] = {}
     incidents: list[Incident] = []
     gathered: list[_Gathered] = []
@@ -456,9 +574,31 @@ def job_goodput(session: Session, job_id: str, *, now: datetime | None = None) -
         log.warning("job %s: lost work exceeds up time by %.0f s", job_id, -productive)
         productive = 0.0
 
+    # When each attempt stopped training: the detection of the incident that ended it.
+    stopped: dict[int, float] = {}
+    for inc, g in zip(incidents, gathered, strict=True):
+        if g.failed is not None:
+            ended = g.failed.number
+            stopped[ended] = min(stopped.get(ended, wall), inc.started)
+    sampled = sampled_steps_per_second(session, job_id)
     attempt_reports = []
+    shrunk_spans = []
     for a, (a0, a1) in zip(attempts, attempt_spans, strict=True):
-        rate = _dollars_per_second(a)
+        shape = shapes[a.number]
+        t0 = _training_start(a, incident_end, t)
+        t1 = min(a1, stopped.get(a.number, a1))
+        training_s = max(0.0, t1 - t0)
+        if shape.training_nodes < spec.num_nodes and t1 > t0:
+            shrunk_spans.append((t0, t1))
+        node_h = shape.training_nodes * (a1 - a0) / 3600.0
+        spare_h = (
+            (shape.spare.count if shape.spare else 0) * _spare_span(a, shape, (a0, a1), t) / 3600.0
+        )
+        steps_s = sampled.get(a.number)
+        source: str | None = "progress_samples" if steps_s is not None else None
+        if steps_s is None and (step_s := attempt_step_s[a.number]):
+            steps_s, source = 1.0 / step_s, "step_time"
+        price = a.price_per_node_hour
         attempt_reports.append(
             AttemptReport(
                 a.number,
@@ -477,14 +617,30 @@ def job_goodput(session: Session, job_id: str, *, now: datetime | None = None) -
                 a.validated_step,
                 a.incident_id,
                 attempt_step_s[a.number],
-                (a1 - a0) * rate if rate is not None else None,
+                (node_h + spare_h) * price if price is not None else None,
+                training_nodes=shape.training_nodes,
+                shrunk=shape.shrunk,
+                spare_nodes=shape.spare.count if shape.spare else 0,
+                spare_released=shape.spare.released if shape.spare else None,
+                wall_seconds=a1 - a0,
+                training_seconds=training_s,
+                node_hours=node_h,
+                spare_node_hours=spare_h,
+                steps_per_second=steps_s,
+                throughput_source=source,
             )
         )
 
     incident_reports = []
     for inc, cost, g in zip(incidents, report.incidents, gathered, strict=True):
         ev, failed = g.event, g.failed
-        rate = _dollars_per_second(failed) if failed is not None else None
+        rate = (
+            _held_nodes(shapes[failed.number], _utc(ev.occurred_at))
+            * failed.price_per_node_hour
+            / 3600.0
+            if failed is not None and failed.price_per_node_hour is not None
+            else None
+        )
         incident_reports.append(
             IncidentReport(
                 id=ev.id,
@@ -512,8 +668,14 @@ def job_goodput(session: Session, job_id: str, *, now: datetime | None = None) -
                 usd=(cost.mttr_seconds + cost.lost_work_seconds) * rate
                 if rate is not None
                 else None,
+                planned=is_planned(ev.failure_class),
             )
         )
+    reshape_s = _union_seconds(
+        (inc.started, inc.ended)
+        for inc, g in zip(incidents, gathered, strict=True)
+        if is_planned(g.event.failure_class)
+    )
 
     # A sum with an unpriced part would understate: say "unknown" instead.
     total_usd = _sum_or_none([a.usd for a in attempt_reports])
@@ -537,6 +699,10 @@ def job_goodput(session: Session, job_id: str, *, now: datetime | None = None) -
         lost_usd=lost_usd,
         attempts=tuple(attempt_reports),
         incidents=tuple(incident_reports),
+        shrunk_seconds=_union_seconds(shrunk_spans),
+        reshape_seconds=reshape_s,
+        node_hours=sum(a.node_hours for a in attempt_reports),
+        spare_node_hours=sum(a.spare_node_hours for a in attempt_reports),
     )
 
 

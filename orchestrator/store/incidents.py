@@ -4,6 +4,12 @@ The API (``/v1/jobs/{id}/incidents``), the CLI, the dashboard and the reconciler
 interval advisor all read incidents from here, so MTTR is computed in one place
 (:func:`incident_mttr`). Goodput uses the same function for its per-incident MTTR.
 
+Elastic runs: an ``elastic_grow`` incident is a planned reshape, not a failure
+(``planned``: counts of failures and MTBF leave it out), and every incident says how
+many nodes trained before and after it (``nodes_before``: the attempt it ended,
+``nodes_after``: the one it started, as ``store.shape`` counts them) and whether it
+reshaped the group (``reshape``: ``shrink`` when SELECT chose one, ``grow``).
+
 Read-only: nothing here writes.
 """
 
@@ -16,12 +22,14 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from orchestrator.contract import EventKind
-from orchestrator.domain.failures import PLANNED
+from orchestrator.domain.failures import FailureClass
 from orchestrator.domain.protocol import ProtocolStep
-from orchestrator.store.goodput import failed_attempt_last_step, rank_values
+from orchestrator.domain.reconcile import LaunchVerb
+from orchestrator.store.goodput import failed_attempt_last_step, is_planned, rank_values
 from orchestrator.store.models import Attempt, FailureEvent, Node
 from orchestrator.store.models import ProtocolStep as StepRow
 from orchestrator.store.records import selection_from_json
+from orchestrator.store.shape import job_shapes
 from orchestrator.store.snapshot import utc
 
 
@@ -38,6 +46,7 @@ def incident_mttr(occurred_at: datetime, steps: list[StepRow]) -> float | None:
 def incidents(s: Session, job_id: str) -> list[dict[str, Any]]:
     """Every incident of a job with its protocol steps, oldest first."""
     out = []
+    shapes = job_shapes(s, job_id)
     events = {
         e.id: e
         for e in s.scalars(
@@ -132,10 +141,22 @@ def incidents(s: Session, job_id: str) -> list[dict[str, Any]]:
             for e in refused
             if nxt is not None and (e.details or {}).get("attempt") == nxt.number
         ]
+        before = shapes.get(number) if isinstance(number, int) else None
+        after = shapes.get(nxt.number) if nxt is not None else None
+        reshape = None
+        if inc.failure_class == FailureClass.ELASTIC_GROW:
+            reshape = "grow"
+        elif (chosen is not None and chosen.verb is LaunchVerb.SHRINK) or (
+            after is not None and after.shrunk
+        ):
+            reshape = "shrink"
         out.append(
             {
                 "id": inc.id,
                 "failure_class": inc.failure_class,
+                "reshape": reshape,
+                "nodes_before": before.training_nodes if before is not None else None,
+                "nodes_after": after.training_nodes if after is not None else None,
                 "confidence": verdict.get("confidence"),
                 "decided_by": verdict.get("decided_by"),
                 "node_id": inc.node_id,
@@ -145,7 +166,7 @@ def incidents(s: Session, job_id: str) -> list[dict[str, Any]]:
                 "remedy": str(chosen.remedy) if chosen is not None else None,
                 "launch_verb": str(chosen.verb) if chosen is not None else None,
                 # A planned reshape (an elastic run's grow back), not a failure.
-                "planned": inc.failure_class in {str(c) for c in PLANNED},
+                "planned": is_planned(inc.failure_class),
                 "train_nodes": chosen.train_nodes if chosen is not None else None,
                 "last_step": last,
                 "resumed_step": resumed,

@@ -24,9 +24,10 @@ from orchestrator.domain.spec import JobSpec
 from orchestrator.domain.status import TERMINAL
 from orchestrator.launchers.base import LaunchHandle
 from orchestrator.store import records, repo
-from orchestrator.store.goodput import rank_values
+from orchestrator.store.goodput import is_planned, rank_values
 from orchestrator.store.models import Attempt, FailureEvent, Job, Lease, Node, NodeCommand
 from orchestrator.store.models import ProtocolStep as StepRow
+from orchestrator.store.shape import attempt_shape
 from orchestrator.store.snapshot import attempt_row, parts_of, utc
 
 LEASE_NAME = "reconciler"
@@ -579,7 +580,8 @@ def interval_facts(
         .order_by(FailureEvent.id.desc())
     ).first()
     current = int(latest.details["every_steps"]) if latest is not None else default_every
-    mttrs = [i["mttr_s"] for i in incidents(s, job_id) if i["mttr_s"]]
+    # An elastic grow is a planned reshape: neither a failure nor a failure's restart.
+    mttrs = [i["mttr_s"] for i in incidents(s, job_id) if i["mttr_s"] and not i["planned"]]
     hours: dict[Any, float] = {}
     fails: dict[Any, int] = {}
     keys: dict[tuple[str, int], Any] = {}
@@ -589,8 +591,18 @@ def interval_facts(
         end = utc(a.ended_at) or now
         per_node = int((a.knobs or {}).get("ranks_per_node", 1))
         span = max(0.0, (end - (utc(a.started_at) or now)).total_seconds())
-        hours[k] = hours.get(k, 0.0) + span / 3600 * a.num_nodes * per_node
+        # The nodes whose failure would be the job's: a shrunk attempt's training group
+        # (a standby spare that fails is given back, no incident). Any job's attempt is
+        # read here: one whose plan does not parse counts the size it was placed for,
+        # rather than stopping this job's round.
+        try:
+            nodes = attempt_shape(a).training_nodes
+        except records.StoredRecordError:
+            nodes = a.num_nodes
+        hours[k] = hours.get(k, 0.0) + span / 3600 * nodes * per_node
     for e in s.scalars(select(FailureEvent).where(FailureEvent.kind == EventKind.INCIDENT)):
+        if is_planned(e.failure_class):
+            continue
         k = keys.get((e.job_id, int((e.details or {}).get("attempt", 0))))
         if k is not None:
             fails[k] = fails.get(k, 0) + 1

@@ -32,5 +32,5 @@ def test_a_shrunk_attempt_says_how_many_nodes_trained_and_what_became_of_its_spa
     full, shrunk, alone = client.get(f"/v1/jobs/{job}/attempts").json()["items"]
     assert (full["num_nodes"], full["training_nodes"], full["spare"]) == (3, 3, None)
     assert (shrunk["num_nodes"], shrunk["training_nodes"]) == (3, 2)
-    assert shrunk["spare"] == {"count": 1, "released": None}
-    assert alone["spare"] == {"count": 1, "released": "never came"}
+    assert shrunk["spare"] == {"count": 1, "released": None, "node_ids": []}
+    assert alone["spare"] == {"count": 1, "released": "never came", "node_ids": []}
