@@ -14,6 +14,11 @@ answer 303 to the login form, which comes back to the page asked for):
 * ``/dashboard/fleet`` incidents of every job by class and by region / instance type
   over time.
 
+Elastic runs: each attempt is a phase with the nodes it trained on (a shrunk one
+marked, with its standby spares), and an ``elastic_grow`` incident is a planned
+reshape: shown, labelled as one, and left out of every count of failures (the jobs
+list's incidents, the fleet's failures by class and by place).
+
 Reads only; the figures come from :mod:`orchestrator.store.goodput`.
 """
 
@@ -37,7 +42,7 @@ from orchestrator.dashboard import auth, charts
 from orchestrator.domain.failures import FailureClass
 from orchestrator.domain.status import JobStatus
 from orchestrator.store import repo
-from orchestrator.store.goodput import JobGoodput, fleet_incidents, job_goodput
+from orchestrator.store.goodput import JobGoodput, fleet_incidents, is_planned, job_goodput
 from orchestrator.store.incidents import incidents
 from orchestrator.store.live_view import job_live
 from orchestrator.store.models import FailureEvent, Job, ProtocolStep
@@ -74,6 +79,9 @@ _HEADERS = {
     "Referrer-Policy": "same-origin",
 }
 _MAX_FORM_BYTES = 8192
+
+#: A shrunk phase's bar on the timeline (the full-size ones are blue).
+_SHRUNK_COLOUR = "#b07aa1"
 
 #: Colours of the wall-time split.
 _SPLIT_COLOURS = {
@@ -182,13 +190,20 @@ def jobs_page(
     limit = 50
     page = repo.list_jobs(session, status=chosen, limit=limit, offset=offset)
     ids = [j.id for j in page.items]
-    counts = dict(
-        session.execute(
-            select(ProtocolStep.job_id, func.count(func.distinct(ProtocolStep.incident_id)))
-            .where(ProtocolStep.job_id.in_(ids or [""]))
-            .group_by(ProtocolStep.job_id)
-        ).all()
-    )
+    # Failures and planned reshapes (elastic grows) apart: a grow is no failure.
+    counts: Counter[str] = Counter()
+    reshapes: Counter[str] = Counter()
+    for job_id, failure_class, n in session.execute(
+        select(
+            ProtocolStep.job_id,
+            FailureEvent.failure_class,
+            func.count(func.distinct(ProtocolStep.incident_id)),
+        )
+        .join(FailureEvent, FailureEvent.id == ProtocolStep.incident_id)
+        .where(ProtocolStep.job_id.in_(ids or [""]))
+        .group_by(ProtocolStep.job_id, FailureEvent.failure_class)
+    ).all():
+        (reshapes if is_planned(failure_class) else counts)[job_id] += n
     now = datetime.now(UTC)
     rows = []
     for j in page.items:
@@ -198,6 +213,7 @@ def jobs_page(
                 "job": j,
                 "nodes": (j.spec or {}).get("num_nodes", ""),
                 "incidents": counts.get(j.id, 0),
+                "reshapes": reshapes.get(j.id, 0),
                 "effective": report.effective_training_fraction,
                 "lost_usd": report.lost_usd,
             }
@@ -231,13 +247,20 @@ def _job_charts(report: JobGoodput) -> dict[str, Any]:
     for a in report.attempts:
         end = a.ended_at or report.ended_at
         up = charts.format_duration((end - a.started_at).total_seconds())
+        nodes = (
+            f"{a.training_nodes} of {a.num_nodes} nodes (shrunk, {a.spare_nodes} standby "
+            f"spare{'s' if a.spare_nodes > 1 else ''})"
+            if a.shrunk
+            else f"{a.num_nodes} x"
+        )
         attempts.append(
             charts.Span(
                 a.started_at,
                 end,
-                f"#{a.number} {a.cloud}",
-                "#4e79a7" if a.ended_at else "#2f5d8a",
-                f"attempt {a.number}: {a.cloud} {a.region} {a.num_nodes} x {a.instance_type}, "
+                f"#{a.number} {a.cloud}"
+                + (f" {a.training_nodes}/{a.num_nodes}" if a.shrunk else ""),
+                _SHRUNK_COLOUR if a.shrunk else "#4e79a7" if a.ended_at else "#2f5d8a",
+                f"attempt {a.number}: {a.cloud} {a.region} {nodes} {a.instance_type}, "
                 f"up {up}" + (f", ended: {a.end_reason}" if a.end_reason else ", running"),
             )
         )
@@ -245,9 +268,11 @@ def _job_charts(report: JobGoodput) -> dict[str, Any]:
         charts.Span(
             i.started_at,
             i.started_at + timedelta(seconds=i.mttr_seconds),
-            i.failure_class,
+            i.failure_class + (" (planned)" if i.planned else ""),
             charts.class_colour(i.failure_class),
-            f"incident {i.id}: {i.failure_class}, MTTR {charts.format_duration(i.mttr_seconds)}",
+            f"incident {i.id}: {i.failure_class}"
+            + (", a planned reshape, not a failure" if i.planned else "")
+            + f", MTTR {charts.format_duration(i.mttr_seconds)}",
         )
         for i in report.incidents
     ]
@@ -432,7 +457,7 @@ def fleet_page(
         job_ids = list(
             session.scalars(select(Job.id).where((Job.id == job) | (Job.name == job)).limit(100))
         )
-    rows = [
+    every = [
         r
         for r in fleet_incidents(session, since=since, job_ids=job_ids)
         if r.occurred_at < end
@@ -440,6 +465,9 @@ def fleet_page(
         and (not cloud or r.cloud == cloud)
         and (not region or r.region == region)
     ]
+    # An elastic grow is a planned reshape: counted apart, never as a failure.
+    rows = [r for r in every if not is_planned(r.failure_class)]
+    reshapes = len(every) - len(rows)
     width = timedelta(days=1 if span_days <= 62 else 7)
     n = int((end - since) / width) + 1
     buckets = [since + k * width for k in range(n)]
@@ -543,6 +571,7 @@ def fleet_page(
         end=end,
         total=len(rows),
         jobs=len({r.job_id for r in rows}),
+        reshapes=reshapes,
         class_chart=class_chart,
         place_chart=place_chart,
         preempt_chart=preempt_chart,
@@ -553,7 +582,7 @@ def fleet_page(
         place_totals=[(p, c, per_place[p].most_common()) for p, c in totals.most_common()],
         bucket=label,
         filters=filters,
-        classes=[str(c) for c in FailureClass],
+        classes=[str(c) for c in FailureClass if not is_planned(str(c))],
         nav="fleet",
     )
 
