@@ -296,6 +296,8 @@ class SpareView:
     failures: tuple[Failure, ...] = ()
     """Failures reported by or about a spare (a health check, a lost spare): they end
     the spare, never the training group's attempt."""
+    node_ids: frozenset[str] = frozenset()
+    """Every spare's node id: the standby launch's and any registered past the group."""
 
 
 @dataclass(frozen=True)

@@ -187,7 +187,7 @@ def gather_snapshot(
         if view.spare is not None:
             # A spare's failures end the spare (``decide`` gives it back), never the
             # training group's attempt.
-            ids = {n.node_id for n in view.spare.nodes} | _spare_node_ids(attempt)
+            ids = view.spare.node_ids
             view = replace(
                 view,
                 spare=replace(view.spare, failures=tuple(f for f in failures if f.node_id in ids)),
@@ -257,12 +257,6 @@ def _provision_times(s: Session, a: Attempt, limit: int = 20) -> tuple[float, ..
         if len(out) >= limit:
             break
     return tuple(out)
-
-
-def _spare_node_ids(a: Attempt) -> set[str]:
-    """The node ids of a shrunk attempt's standby launch (registered or not)."""
-    plan = records.launch_plan_of(a)
-    return {x for p in parts_of(a) if p.cluster_name == plan.spare_cluster for x in p.node_ids}
 
 
 def _int_or_none(x: Any) -> int | None:
@@ -509,6 +503,7 @@ def _attempt_view(
             progress=None if up else progress,
             up=up,
             released=released,
+            node_ids=frozenset(spare_ids),
         )
     return rc.AttemptView(
         requested_at=_when(a.handle, "requested_at"),
