@@ -828,9 +828,13 @@ def _after_hearsay(s: JobSnapshot, a: AttemptView, failures: tuple[Failure, ...]
                    cfg: ReconcileConfig) -> list[Action] | None:  # fmt: skip
     """What only :func:`hearsay` so far calls for, or None to open the incident.
 
-    While a node has not spoken, for up to ``hearsay_wait_s``: wait ([]) for that
-    node's own report (its rank's transport error then names the incident) or for the
-    sight of its loss (``detect``). After it, when exactly one live node is still
+    For up to ``hearsay_wait_s``: wait ([]) for the crashed rank's own report (its
+    transport error then names the incident) or for the sight of a node's loss
+    (``detect``). Also when every node has spoken, hearsay alone: a rank that crashed
+    took its node's other ranks down with it (torchrun SIGTERMs them, and they too read
+    the broken pairs as a peer's crash), and their word may reach the service before
+    the crashed rank's own exit report (seen here: a chaos transport error in rank 0
+    recorded as node_lost). After the wait, when exactly one live node is still
     silent, that node is the one the peers heard crash: its loss is recorded on it.
     The reporter is the witness, not the lost node; an incident named after it gave
     back the survivor and kept the dead node (seen on the emulated AWS with one
@@ -839,8 +843,6 @@ def _after_hearsay(s: JobSnapshot, a: AttemptView, failures: tuple[Failure, ...]
     if not failures or not all(hearsay(f) for f in failures):
         return None
     silent = _silent_nodes(a, failures)
-    if not silent:
-        return None
     first = min(failures, key=lambda f: (f.occurred_at, f.event_id))
     if (s.now - first.occurred_at).total_seconds() < cfg.hearsay_wait_s:
         return []

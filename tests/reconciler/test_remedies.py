@@ -372,6 +372,26 @@ def test_a_peer_s_word_alone_waits_for_the_silent_node_then_that_node_is_lost():
     assert isinstance(out[0], rc.RecordFailure) and out[0].node_id == "j-a1-n0"
 
 
+def test_hearsay_from_every_node_waits_for_the_crashed_rank_s_own_report():
+    """Rank 0's collective failed on a transport error; torchrun SIGTERMed rank 1 on
+    the same node, and both nodes' other ranks read the broken pairs as a peer's crash
+    (classed node_lost). Their word reached the service before rank 0's own exit
+    report (seen here on the local launcher): every node spoke, but only hearsay, so
+    the service waits for the report that names the cause rather than call a live
+    node lost."""
+    cfg = rc.ReconcileConfig()
+    n0 = replace(failure(F.NODE_LOST, "rank_exit", "j-a1-n0", code=-15, id_=5), occurred_at=ago(1))
+    n1 = replace(failure(F.NODE_LOST, "rank_exit", "j-a1-n1", code=1, id_=6), occurred_at=ago(1))
+    assert rc.decide(snap(failures=(n0, n1)), cfg) == []
+    transport = failure(F.NCCL_TRANSPORT, "rank_exit", "j-a1-n0", code=1, id_=7)
+    out = rc.decide(snap(failures=(n0, n1, transport)), cfg)
+    assert out[0].cause == transport and set(out[0].consequences) == {5, 6}
+    # No such report within the wait: the incident opens on what was said.
+    late = tuple(replace(f, occurred_at=ago(cfg.hearsay_wait_s + 1)) for f in (n0, n1))
+    out = rc.decide(snap(failures=late), cfg)
+    assert isinstance(out[0], rc.OpenIncident) and out[0].cause.failure_class is F.NODE_LOST
+
+
 def test_a_rank_s_oom_names_the_incident_over_its_peers_timeouts():
     timeout = failure(F.NCCL_TIMEOUT, "rank_exit", "j-a1-n0", code=1, id_=4)
     oom = failure(F.CUDA_OOM, "rank_exit", "j-a1-n1", code=1, id_=5)
