@@ -435,7 +435,9 @@ def node_address(s: Session, job_id: str, number: int, node_id: str) -> str | No
 def attempt_up(
     s: Session, job: Job, job_id: str, number: int, hosts: tuple[str, ...], now: datetime
 ) -> None:
-    """Every node of the attempt is up: it runs, and a relaunch counts as a restart."""
+    """Every node of the attempt is up: it runs, and a relaunch counts as a restart;
+    a planned reshape's (an elastic grow) does not: it repairs no failure, and the
+    restart limit is a budget for failures."""
     a = attempt_row(s, job_id, number)
     if a is None or not a.handle or a.handle.get("up_at"):
         return
@@ -447,7 +449,9 @@ def attempt_up(
     if a.state == AttemptState.LAUNCHING:
         a.state = AttemptState.RUNNING
     if a.incident_id is not None:
-        job.restart_count += 1
+        incident = s.get(FailureEvent, a.incident_id)
+        if incident is None or not is_planned(incident.failure_class):
+            job.restart_count += 1
     s.flush()
 
 
