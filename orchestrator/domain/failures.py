@@ -858,9 +858,14 @@ def _clip(line: str) -> str:
 _NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
 # "loss: 1.23", "Total loss: 0.5", "lm loss: 2.3E+00", "'loss': 0.4", "loss_-4.06",
 # "loss_rpn_cls: 0.3" (its own series). A line that is only a number is series "".
+# A digit glued to the name is part of it, never a value: Caffe's GoogLeNet prints
+# "loss1/loss1 = 0.29" then "loss2/loss2 = 0.25", and read as values 1, 2, 3 those
+# names made a healthy log a rising loss (BVLC/caffe#6373). So the name may end in
+# digits, and a separator must stand between it and its value.
 _LOSS_VALUE = re.compile(
-    r"(?<![\w])((?:[A-Za-z]+[ _/])?(?:[A-Za-z]*loss(?:es)?|ppl|perplexity)(?:[_/][A-Za-z]+)*)"
-    rf"['\"]?[\s:=_'\"]*(?:tensor\()?({_NUM})(?!\w|\.\d)",
+    r"(?<![\w])((?:[A-Za-z]+[ _/])?(?:[A-Za-z]*loss(?:es)?\d*|ppl|perplexity)"
+    r"(?:[_/][A-Za-z]+\d*)*)"
+    rf"['\"]?[\s:=_'\"]+(?:tensor\()?({_NUM})(?!\w|\.\d)",
     re.IGNORECASE,
 )
 _BARE_NUMBER = re.compile(rf"^\s*({_NUM})\s*$")
