@@ -724,21 +724,32 @@ def _age(now: datetime, then: datetime | None) -> float:
 
 
 def _silence(
-    s: JobSnapshot, last_heard: datetime | None, blind: sl.Deafness, cfg: ReconcileConfig
+    s: JobSnapshot,
+    last_heard: datetime | None,
+    blind: sl.Deafness,
+    cfg: ReconcileConfig,
+    peers_heard_after: float | None = None,
 ) -> float:
     """How long a node has been silent as far as this service can tell: since its
     last heartbeat, or since the service came up when that was later, less the time
-    the service itself was deaf or stalled (``domain.silence``)."""
+    the service itself was deaf or stalled (``domain.silence``), unless the fleet and
+    its job's peers were heard around it since (``peers_heard_after``)."""
     if last_heard is not None and s.heard_since is not None:
         last_heard = max(last_heard, s.heard_since)
-    return sl.relative_silence(last_heard, s.now, blind, cfg.silence)
+    return sl.relative_silence(
+        last_heard, s.now, blind, cfg.silence, peers_heard_after=peers_heard_after
+    )
 
 
 def silences(s: JobSnapshot, a: AttemptView, cfg: ReconcileConfig) -> dict[str, float]:
     """Each live (not exited) node's relative silence, in seconds."""
     blind = sl.deafness(s.intake, s.now, cfg.silence)
+    live = [n for n in a.nodes if not n.exited]
+    around = sl.peers_heard_after(
+        {n.node_id: n.last_heartbeat_at for n in live}, blind, cfg.silence
+    )
     return {
-        n.node_id: _silence(s, n.last_heartbeat_at, blind, cfg) for n in a.nodes if not n.exited
+        n.node_id: _silence(s, n.last_heartbeat_at, blind, cfg, around[n.node_id]) for n in live
     }
 
 

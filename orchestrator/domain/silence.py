@@ -17,6 +17,16 @@ So silence only counts against a node for the time the service was hearing:
   many nodes at once, and that time is forgiven to every node (up to
   ``max_forgiven_s``, so a real mass loss is acted on in the end). A fleet of fewer
   than ``deaf_min_nodes`` is never deaf by share: there one loss is a large share.
+* **Heard around.** Deaf time is forgiven because a node's beats may have been sent
+  and not taken in. That excuse ends once the service took in, since the node was
+  last heard, as many beats per live node of the fleet as a healthy node sends in a
+  timeout (``heard_around_beats``, from each sample's ``fresh``) and most of the
+  node's own job's peers were heard after it (``heard_around_peers``): a starved
+  service answering a fifth of the beats still hears every healthy node in turn,
+  so one that stays quiet while the others keep arriving went quiet itself. Its
+  silence then counts in full, stalls included, so a node killed amid a starved but
+  hearing fleet is found at the timeout, or as soon as its peers were heard that
+  often.
 * **Stalls.** A gap between samples (or between the newest and ``now``) longer than
   ``stall_gap_s`` means the deciding service itself did not run (SIGSTOP, a VM pause,
   a starved process): like the time before ``heard_since``, nothing was heard and
@@ -33,7 +43,8 @@ Pure: the samples come from the snapshot, ``now`` is the snapshot's.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -51,6 +62,9 @@ class IntakeSample:
     """Live nodes of the fleet whose newest beat is within the hearing window."""
     expected: int
     """Live nodes of the fleet (registered, not exited, of current attempts)."""
+    fresh: int = 0
+    """Live nodes whose newest beat is newer than at the previous sample: the beats the
+    service took in over this interval (a node beats at most once per tick)."""
 
     @property
     def share(self) -> float:
@@ -81,6 +95,14 @@ class SilenceConfig:
     """Jobs with fewer nodes are never in disruption on their own (one lost node of two
     is a half: that is a node loss, and the fleet's intake still covers the service's
     own deafness)."""
+    heard_around_beats: float = BEATS_PER_TIMEOUT
+    """Beats per live node of the fleet taken in since a node was last heard after
+    which its deaf time is no longer forgiven: a healthy node is heard about that often
+    in a timeout, so at a fleet heard this often it would have been heard too."""
+    heard_around_peers: float = 0.9
+    """And at least this share of its job's other live nodes heard after it (a job of
+    one node: the fleet's intake alone). A job most of whose nodes went quiet together
+    is not heard around: that is a disruption, waited out as one."""
 
 
 @dataclass(frozen=True)
@@ -101,10 +123,21 @@ class Deafness:
     """The service did not run (forgiven without limit)."""
     deaf: tuple[Span, ...] = ()
     """The service ran and heard too little of the fleet (forgiven up to a cap)."""
+    intervals_from: tuple[datetime, ...] = ()
+    """The start of each sampled interval (the previous sample's time), oldest first."""
+    taken_in: tuple[float, ...] = ()
+    """``taken_in[i]``: beats per live node the service took in over the intervals from
+    ``intervals_from[i]`` on, to the newest sample (a suffix sum)."""
 
     @property
     def degraded(self) -> bool:
         return bool(self.stalls or self.deaf)
+
+    def beats_per_node_since(self, since: datetime) -> float:
+        """Beats per live node of the fleet taken in over the intervals that began at
+        or after ``since`` (an interval straddling it is not counted)."""
+        i = bisect_left(self.intervals_from, since)
+        return self.taken_in[i] if i < len(self.taken_in) else 0.0
 
 
 def deafness(
@@ -113,9 +146,13 @@ def deafness(
     """The stalls and deaf intervals the samples (oldest first) show, up to ``now``."""
     stalls: list[Span] = []
     deaf: list[Span] = []
+    starts: list[datetime] = []
+    per_node: list[float] = []
     prev: IntakeSample | None = None
     for smp in samples:
         if prev is not None:
+            starts.append(prev.at)
+            per_node.append(smp.fresh / smp.expected if smp.expected > 0 else 0.0)
             gap = (smp.at - prev.at).total_seconds()
             if gap > cfg.stall_gap_s:
                 _extend(stalls, prev.at, smp.at)
@@ -125,7 +162,13 @@ def deafness(
     if prev is not None and (now - prev.at).total_seconds() > cfg.stall_gap_s:
         # The tick deciding started long after its last sample: it was stopped between.
         _extend(stalls, prev.at, now)
-    return Deafness(tuple(stalls), tuple(deaf))
+    suffix: list[float] = []
+    total = 0.0
+    for x in reversed(per_node):
+        total += x
+        suffix.append(total)
+    suffix.reverse()
+    return Deafness(tuple(stalls), tuple(deaf), tuple(starts), tuple(suffix))
 
 
 def _extend(spans: list[Span], start: datetime, end: datetime) -> None:
@@ -144,17 +187,67 @@ def relative_silence(
     now: datetime,
     blind: Deafness,
     cfg: SilenceConfig = SilenceConfig(),
+    *,
+    peers_heard_after: float | None = None,
 ) -> float:
     """Seconds the node has been silent while the service was hearing: its silence
-    since ``last_heard`` less the service's stalls and (up to the cap) deaf time."""
+    since ``last_heard`` less the service's stalls and (up to the cap) deaf time.
+
+    ``peers_heard_after``: the share of its job's other live nodes heard after it
+    (None: it has none). Once the node is heard around (module docstring), neither
+    deaf time nor a gap between samples is forgiven to it: a reconciler whose ticks
+    are late (a starved one, 10 s and more apart, measured at 2,048 nodes) reads as a
+    stall, but the beats its samples count say the service was taking them in."""
     if last_heard is None:
         return float("inf")
     raw = (now - last_heard).total_seconds()
     if raw <= 0 or not blind.degraded:
         return raw
+    if heard_around(last_heard, blind, cfg, peers_heard_after):
+        return raw  # the beats kept coming, from everyone but this node
     stalled = _overlap(blind.stalls, last_heard, now)
     deaf = min(cfg.max_forgiven_s, _overlap(blind.deaf, last_heard, now))
     return max(0.0, raw - stalled - deaf)
+
+
+def heard_around(
+    last_heard: datetime,
+    blind: Deafness,
+    cfg: SilenceConfig = SilenceConfig(),
+    peers_heard_after: float | None = None,
+) -> bool:
+    """The service kept hearing the fleet, and the node's own job, after the node was
+    last heard: as many beats per node as a healthy node sends in a timeout, and most
+    of the job's other nodes. A node quiet since then went quiet on its own."""
+    if peers_heard_after is not None and peers_heard_after < cfg.heard_around_peers:
+        return False
+    return blind.beats_per_node_since(last_heard) >= cfg.heard_around_beats
+
+
+def peers_heard_after(
+    last_heard: Mapping[str, datetime | None],
+    blind: Deafness,
+    cfg: SilenceConfig = SilenceConfig(),
+) -> dict[str, float | None]:
+    """For each node, the share of the other nodes (its job's live ones) heard after it
+    that are still heard: a peer quiet through a turn of the fleet's intake itself
+    (``heard_around_beats`` since its own last beat) does not count, so of a job that
+    went quiet together the first silent node is not heard around by the others' last
+    beats. None for a node with no other. One sort, no pairs (2,048 nodes a tick)."""
+    current = sorted(
+        t
+        for t in last_heard.values()
+        if t is not None and blind.beats_per_node_since(t) < cfg.heard_around_beats
+    )
+    others = len(last_heard) - 1
+    out: dict[str, float | None] = {}
+    for node, t in last_heard.items():
+        if others <= 0:
+            out[node] = None
+        else:
+            after = len(current) - (bisect_right(current, t) if t is not None else 0)
+            out[node] = after / others
+    return out
 
 
 @dataclass(frozen=True)

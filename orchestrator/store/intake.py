@@ -1,7 +1,8 @@
 """The fleet's heartbeat intake, sampled once per reconciler tick (``domain.silence``).
 
 A sample counts the fleet's live nodes (registered, not exited, of attempts that are
-launching or running) and how many of them were heard within the hearing window:
+launching or running), how many of them were heard within the hearing window, and
+how many were heard since the previous sample (``fresh``: the beats taken in):
 SQL's ``last_heartbeat_at``, or this replica's memory where it is newer (a beat
 waiting in the batch is heard). It is read from SQL, not from one replica's memory,
 so another replica's beats count within its flush interval.
@@ -34,8 +35,17 @@ def _utc(dt: datetime | None) -> datetime | None:
     return dt if dt.tzinfo is not None else dt.replace(tzinfo=UTC)
 
 
-def fleet_intake(s: Session, now: datetime, window_s: float) -> sl.IntakeSample:
-    """How many of the fleet's live nodes were heard in the ``window_s`` before ``now``."""
+def fleet_intake(
+    s: Session,
+    now: datetime,
+    window_s: float,
+    seen: dict[tuple[str, str, int], datetime] | None = None,
+) -> sl.IntakeSample:
+    """How many of the fleet's live nodes were heard in the ``window_s`` before ``now``.
+
+    ``seen``: each live node's newest beat as the previous sample read it; given, the
+    sample's ``fresh`` counts the nodes whose newest beat is newer now (the beats taken
+    in since), and ``seen`` is updated to this sample's (the nodes gone dropped)."""
     rows = s.execute(
         select(Node.job_id, Node.node_id, Node.attempt, Node.last_heartbeat_at, Node.registered_at)
         .join(Attempt, and_(Attempt.job_id == Node.job_id, Attempt.number == Node.attempt))
@@ -46,15 +56,25 @@ def fleet_intake(s: Session, now: datetime, window_s: float) -> sl.IntakeSample:
     ).all()
     live = liveness.live_of(s)
     since = now - timedelta(seconds=window_s)
-    heard = 0
+    heard = fresh = 0
+    newest: dict[tuple[str, str, int], datetime] = {}
     for job_id, node_id, attempt, sql_at, registered_at in rows:
         last = _utc(sql_at) or _utc(registered_at)
         beat = live.latest(str(job_id), str(node_id)) if live is not None else None
         if beat is not None and beat.attempt == attempt and (last is None or beat.at > last):
             last = beat.at
-        if last is not None and last >= since:
+        if last is None:
+            continue
+        if last >= since:
             heard += 1
-    return sl.IntakeSample(now, heard, len(rows))
+        key = (str(job_id), str(node_id), int(attempt))
+        newest[key] = last
+        if seen is not None and key in seen and last > seen[key]:
+            fresh += 1
+    if seen is not None:
+        seen.clear()
+        seen.update(newest)
+    return sl.IntakeSample(now, heard, len(rows), fresh)
 
 
 def noted_degraded(s: Session, job_id: str, since: datetime) -> bool:
@@ -80,13 +100,15 @@ class IntakeLog:
     def __init__(self, keep_s: float = 900.0) -> None:
         self.keep_s = keep_s
         self._samples: deque[sl.IntakeSample] = deque()
+        self._seen: dict[tuple[str, str, int], datetime] = {}
+        """Each live node's newest beat at the last sample (for ``fresh``)."""
         self._lock = threading.Lock()
 
     def sample(self, s: Session, now: datetime, *, timeout_s: float = 30.0) -> sl.IntakeSample:
         """Take one sample; the hearing window follows the interval agents are told."""
         last = self.latest
         interval = sl.heartbeat_interval_s(last.expected if last else 0, timeout_s=timeout_s)
-        smp = fleet_intake(s, now, sl.hearing_window_s(interval))
+        smp = fleet_intake(s, now, sl.hearing_window_s(interval), self._seen)
         self.add(smp)
         return smp
 

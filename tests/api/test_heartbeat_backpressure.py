@@ -144,3 +144,23 @@ def test_the_fleet_intake_counts_nodes_heard_in_the_window_memory_included(clien
     with maker() as s:
         later = intake.fleet_intake(s, datetime.now(UTC) + timedelta(seconds=10), window_s=4.0)
     assert (later.heard, later.expected) == (0, 3)
+
+
+def test_each_intake_sample_counts_the_nodes_heard_since_the_one_before(client, job):
+    # ``fresh``: the beats taken in over the interval, what ``domain.silence`` weighs a
+    # silent node's silence against. The first sample has nothing to compare with.
+    maker = client.app.state.sessionmaker
+    for n in ("n0", "n1", "n2"):
+        register(client, job, n)
+    seen: dict[tuple[str, str, int], datetime] = {}
+    with maker() as s:
+        first = intake.fleet_intake(s, datetime.now(UTC), 4.0, seen)
+        again = intake.fleet_intake(s, datetime.now(UTC), 4.0, seen)
+    assert (first.fresh, again.fresh) == (0, 0)
+    time.sleep(0.01)
+    for n in ("n0", "n2"):
+        assert beat(client, job, n).status_code == 200
+    with maker() as s:
+        after = intake.fleet_intake(s, datetime.now(UTC), 4.0, seen)
+        then = intake.fleet_intake(s, datetime.now(UTC), 4.0, seen)
+    assert (after.fresh, after.expected, then.fresh) == (2, 3, 0)

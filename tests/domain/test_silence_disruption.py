@@ -75,13 +75,15 @@ def snap(silent_s: list[float], intake: tuple[sl.IntakeSample, ...] = (), **kw) 
     )
 
 
-def samples(*spans: tuple[float, float, float], every: float = 1.0, fleet: int = 2048):
-    """Intake samples from (from_s_ago, to_s_ago, share heard) spans, one per ``every``."""
+def samples(*spans: tuple[float, ...], every: float = 1.0, fleet: int = 2048):
+    """Intake samples from (from_s_ago, to_s_ago, share heard[, share fresh]) spans, one
+    per ``every``; the fresh share is the fleet's nodes heard since the sample before."""
     out = []
-    for start, end, share in spans:
+    for start, end, share, *fresh in spans:
         t = start
         while t > end - 1e-9:
-            out.append(sl.IntakeSample(ago(t), round(share * fleet), fleet))
+            new = round(fresh[0] * fleet) if fresh else 0
+            out.append(sl.IntakeSample(ago(t), round(share * fleet), fleet, new))
             t -= every
     return tuple(out)
 
@@ -127,6 +129,59 @@ def test_a_node_killed_during_an_overload_is_still_found_once_intake_recovers():
     intake = samples((120, 61, 0.999), (60, 21, 0.1), (20, 0, 0.999))
     assert lost(rc.decide(snap([1, 1, 70, 1], intake))) == []
     assert lost(rc.decide(snap([1, 1, 75, 1], intake))) == ["j-a1-n2"]
+
+
+# Starved, but hearing: the service hears 30 % of the fleet within the window (deaf),
+# yet takes in 2 % of the fleet's nodes each second, so each node is heard about
+# every 50 s: 3 beats per node (a timeout's worth) take 150 s.
+STARVED = samples((300, 0, 0.3, 0.02))
+
+
+def test_one_dead_node_amid_a_starved_but_hearing_fleet_is_found():
+    # Its job's peers and the fleet kept arriving; after 100 s the fleet had 2 beats
+    # per node in (a healthy node may not have been heard yet), after 160 s 3.2.
+    assert lost(rc.decide(snap([1, 20, 100, 5], STARVED))) == []
+    assert lost(rc.decide(snap([1, 20, 160, 5], STARVED))) == ["j-a1-n2"]
+
+
+def test_in_a_starved_fleet_nodes_heard_in_turn_are_never_lost():
+    # Every node of the job past the 30 s timeout by the clock, none past a turn of
+    # the fleet's intake (150 s): none is lost.
+    out = rc.decide(snap([31, 60, 100, 140], STARVED))
+    assert lost(out) == []
+    assert "heard too little of the fleet" in notes(out)[0].message
+
+
+def test_a_node_whose_job_went_quiet_with_it_is_not_found_by_the_fleets_intake_alone():
+    # n2 is past a turn of the fleet, but only one of its three peers was heard after
+    # it: the job, not the node, went quiet (a disruption, waited out as one).
+    out = rc.decide(snap([170, 165, 160, 1], STARVED))
+    assert lost(out) == []
+    assert notes(out)[0].message.startswith("3 of 4 nodes silent")
+
+
+def test_late_reconciler_ticks_that_still_count_beats_are_no_stall_for_a_dead_node():
+    # A starved reconciler ticks every 12 s (past stall_gap_s), and each of its samples
+    # finds every live node heard since the one before: the service was hearing.
+    slow = samples((120, 0, 1.0, 1.0), every=12.0)
+    assert lost(rc.decide(snap([1, 1, 45, 1], slow))) == ["j-a1-n2"]
+    stopped = samples((120, 0, 1.0, 0.0), every=12.0)  # no beat counted: a stall
+    assert lost(rc.decide(snap([1, 1, 45, 1], stopped))) == []
+
+
+def test_the_beats_per_node_since_count_only_intervals_begun_after_it():
+    blind = sl.deafness(samples((10, 0, 1.0, 0.5)), NOW)
+    assert blind.beats_per_node_since(ago(4)) == 2.0  # intervals from 4, 3, 2, 1 s ago
+    assert blind.beats_per_node_since(ago(3.5)) == 1.5
+    assert blind.beats_per_node_since(NOW) == 0.0
+
+
+def test_the_share_of_peers_heard_after_each_node_counts_only_peers_still_heard():
+    blind = sl.deafness(samples((60, 0, 1.0, 0.5)), NOW)  # a turn of the fleet: 6 s
+    last = {"a": ago(10), "b": ago(5), "c": ago(1), "d": None}
+    # a is quiet through a turn: it counts for nobody; b and c count for those before.
+    assert sl.peers_heard_after(last, blind) == {"a": 2 / 3, "b": 1 / 3, "c": 0.0, "d": 2 / 3}
+    assert sl.peers_heard_after({"solo": ago(3)}, blind) == {"solo": None}
 
 
 def test_one_lost_node_of_a_two_node_fleet_leaves_the_service_hearing():
