@@ -1114,3 +1114,89 @@ class Run:
             print(f"rank {self.rank}: error: {reason}", file=sys.stderr)
         self._stop.restore()
         raise RunExit(code, reason)
+
+    # --- for framework integrations (training.integrations) ---------------------------
+    # A Hugging Face Trainer, Accelerate or Lightning run keeps its own loop and its own
+    # checkpoint format; it drives Run's protocol through these (and should_stop, report,
+    # end_step, reporter), never through Run's internals (docs/training.md).
+
+    @classmethod
+    def for_framework(cls, config: RunConfig, *, optimizer: Any) -> Run:
+        """A Run that saves nothing itself (no Checkpointer: the framework's own files are
+        committed by the integration) but stages from and agrees on ``config``'s
+        checkpoint URI. ``optimizer`` is what a NaN's ``zero_grad`` clears."""
+        run = cls(
+            replace(config, checkpoint_uri="", use_async=False), model=None, optimizer=optimizer
+        )
+        run.config = config  # resume_from, expected_step, seed, keep as configured
+        run.root, run.upload_uri, _durable = checkpoint_tiers(
+            config.checkpoint_uri, config.local_dir
+        )
+        return run
+
+    def begin_step(self) -> None:
+        """Open a step the framework runs: its timer starts, and a chaos fault taken at
+        the last boundary is raised here (OOM, Xid, user error) or armed (NaN, spike)."""
+        self._begin_step()
+
+    def agree_on_checkpoint(self) -> tuple[int, str, Path, int] | None:
+        """(step, manifest digest, local step directory, world size that saved it) of
+        the checkpoint every rank agrees to resume from, staged first from a remote URI
+        (one rank per node); None for a fresh start. Loads nothing. Exits 78
+        (unusable) or 77 (no agreement) on every rank, as ``restore`` does. A collective."""
+        explicit = self.config.resume_from not in ("latest", "none")
+        if explicit and urlparse(self.config.resume_from).scheme in REMOTE_SCHEMES:
+            self._exit(
+                ExitCode.CHECKPOINT_INVALID,
+                f"{Env.RESUME_FROM}={self.config.resume_from} is a remote URI; the node "
+                "agent stages checkpoints onto the node's disk and names the staged copy",
+            )
+        if not explicit and (self.root is None or self.config.resume_from == "none"):
+            return None
+        error = self._stage() if not explicit else None
+        try:
+            chosen, paths, world_at_save = self._agree_on_checkpoint(explicit, error)
+        except CheckpointUnusable as e:
+            self._exit(ExitCode.CHECKPOINT_INVALID, f"checkpoint unusable: {e}")
+        except ResumeMismatch as e:
+            self._exit(ExitCode.RESUME_MISMATCH, str(e))
+        if chosen is None:
+            return None
+        return chosen[0], chosen[1], paths[chosen], world_at_save
+
+    def confirm_resumed(self, step: int, digest: str | None) -> None:
+        """The framework loaded ``step`` of the checkpoint with ``digest`` (None: it
+        started fresh): every rank's (step, digest) must agree and the staged
+        ``expected_step`` hold (77 otherwise); then Run counts from ``step`` and sends
+        the ``resumed`` datagram. A collective."""
+        try:
+            agree_on_resume(
+                step if digest else None, digest, expected_step=self.config.expected_step
+            )
+        except ResumeMismatch as e:
+            self._exit(ExitCode.RESUME_MISMATCH, str(e))
+        self.step = step
+        self._last_saved = step if digest else None
+        self.resumed_digest = digest
+        self._restored = True
+        self.reporter.send("resumed", step=step, manifest_digest=digest)
+
+    def note_saved(self, step: int) -> None:
+        """A save of ``step`` was committed outside Run (the framework's): none is due
+        again at this step."""
+        self._last_saved = step
+
+    def exit_with(self, code: ExitCode, reason: str) -> None:
+        """The ``exit`` datagram, the signal handlers put back, then ``RunExit(code)``."""
+        self._exit(code, reason)
+
+    def take_signals(self) -> None:
+        """Run's flag-only SIGTERM/SIGUSR1 handler again, over one a framework installed
+        after Run was built (Lightning's, at fit start); ``release_signals`` still puts
+        back the handlers Run found."""
+        self._stop.reinstall()
+
+    def release_signals(self) -> None:
+        """The signal handlers Run found, back (``finish`` does it too, and tears the
+        process group down, which a framework's run keeps)."""
+        self._stop.restore()

@@ -39,6 +39,12 @@ class StopRequest:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return bool(t.item())
 
+    def reinstall(self) -> None:
+        """This handler again, over one installed after it (a framework's own): the
+        handlers ``restore`` puts back are still the ones found at construction."""
+        for s in self._previous:
+            signal.signal(s, self._handle)
+
     def restore(self) -> None:
         for s, h in self._previous.items():
             signal.signal(s, h)

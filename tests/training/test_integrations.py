@@ -150,7 +150,7 @@ def test_hf_knobs_keep_the_global_batch(monkeypatch):
     try:
         apply_knobs(trainer, session)
     finally:
-        session.run._stop.restore()
+        session.run.release_signals()
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2, 4)
     assert trainer.get_total_train_batch_size(args) == 8  # the global batch kept
     assert args.gradient_checkpointing
@@ -171,8 +171,28 @@ def test_lightning_knobs_keep_the_global_batch(monkeypatch):
     try:
         smaller = apply_knobs(trainer, loader, session)
     finally:
-        session.run._stop.restore()
+        session.run.release_signals()
     assert isinstance(smaller, ResumableDataLoader)
     assert (smaller.batch_size, trainer.accumulate_grad_batches) == (3, 4)
     # The same samples per optimizer step, in the same order.
     assert torch.cat(list(smaller)[:4]).tolist() == next(iter(loader)).tolist()
+
+
+def test_the_integrations_touch_no_private_part_of_run():
+    """training.integrations drives Run through its public surface (docs/training.md:
+    Driving Run from a framework's loop): no ``run._x`` or ``.run._x`` anywhere, so a
+    change inside Run cannot silently break a framework's loop."""
+    import ast
+
+    import training.integrations as pkg
+
+    found = []
+    for path in sorted(Path(pkg.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")):
+                continue
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
+            if name == "run" and not node.attr.startswith("__"):
+                found.append(f"{path.name}:{node.lineno}: {name}.{node.attr}")
+    assert found == []

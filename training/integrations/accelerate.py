@@ -87,7 +87,7 @@ class AccelerateRun:
                 if self.session.root is not None and self.session.last_saved != run.step:
                     self.save()
                 self.session.exit_stopped()
-            run._begin_step()
+            run.begin_step()
             yield run.step
             run.end_step()
             self._counter.step = run.step

@@ -77,7 +77,7 @@ class SkyresumeCallback(TrainerCallback):
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self.loss = self.grad_norm = None
-        self.session.run._begin_step()  # the step's timer; a chaos fault is taken here
+        self.session.run.begin_step()  # the step's timer; a chaos fault is taken here
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         loss = self.loss if self.loss is not None else float("nan")

@@ -33,7 +33,6 @@ What ``fit`` does, and why:
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -96,8 +95,7 @@ class SkyresumeCallback(pl.Callback):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         run = self.session.run
-        for s in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(s, run._stop._handle)  # over Lightning's (see the module)
+        run.take_signals()  # over Lightning's SIGTERM handler (see the module)
         if trainer.optimizers:
             run.optimizer = trainer.optimizers[0]
         self._params = [p for p in pl_module.parameters() if p.requires_grad]
@@ -118,7 +116,7 @@ class SkyresumeCallback(pl.Callback):
         if not self._in_step:  # the step's first micro-batch
             self._in_step = True
             self._step_at_batch_start = trainer.global_step
-            self.session.run._begin_step()
+            self.session.run.begin_step()
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         d = loss.detach()

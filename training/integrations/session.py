@@ -7,8 +7,9 @@ script of its own:
 * **the step-boundary agreements** (SIGTERM/SIGUSR1 flag, control-file interval,
   chaos faults, NaN before the update) and **the reports** (progress, checkpoint,
   anomalies, stragglers), by driving a ``training.Run`` that has no checkpointer of
-  its own: ``begin_step`` / ``report`` / ``end_step`` / ``should_stop`` are Run's, so
-  a framework run sends the agent exactly the datagrams a Run script sends;
+  its own (``Run.for_framework``): ``begin_step`` / ``report`` / ``end_step`` /
+  ``should_stop`` are Run's, so a framework run sends the agent exactly the datagrams
+  a Run script sends. Only Run's public surface is used (docs/training.md);
 * **commits of the framework's own files** (:meth:`FrameworkRun.commit`): whatever
   the framework wrote for step N on each node becomes ``<root>/step_<N>`` with our
   ``manifest.json`` and, last, ``COMMIT``, uploaded to the job's checkpoint URI
@@ -35,7 +36,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -52,8 +53,7 @@ from orchestrator.contract import (
 from training.checkpoint import CheckpointError, step_dirs
 from training.elastic import ElasticBatch
 from training.knobs import BatchPlan, plan_batch
-from training.resume import CheckpointUnusable, ResumeMismatch, agree_on_resume
-from training.run import REMOTE_SCHEMES, Run, RunConfig, checkpoint_tiers
+from training.run import Run, RunConfig, checkpoint_tiers
 
 #: Where a framework writes a save before it is committed as ``step_<N>`` (a name
 #: ``step_dirs`` never lists, so a save killed half-way is never a candidate).
@@ -136,19 +136,14 @@ class FrameworkRun:
                 f"elastic batch scale is not supported with {framework}: the framework's "
                 "batch, sampler and scheduler are its own; use elastic batch keep"
             )
-        # The Run drives the agreements and reports; it saves nothing itself (no URI),
-        # because the checkpoint is the framework's own, committed by ``commit``.
-        self.run = Run(
-            replace(self.config, checkpoint_uri="", use_async=False),
-            model=None,
-            optimizer=optimizer if optimizer is not None else _NoOptimizer(),
+        # The Run drives the agreements and reports; it saves nothing itself, because
+        # the checkpoint is the framework's own, committed by ``commit``.
+        self.run = Run.for_framework(
+            self.config, optimizer=optimizer if optimizer is not None else _NoOptimizer()
         )
-        self.run.config = self.config  # resume_from, expected_step, seed as configured
         self.root, self.upload_uri, self.durable_uri = checkpoint_tiers(
             self.config.checkpoint_uri, self.config.local_dir
         )
-        # What Run's staging and agreement read (it was built without a URI).
-        self.run.root, self.run.upload_uri = self.root, self.upload_uri
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = self.run.rank
         self.world_size = self.run.world_size
@@ -179,7 +174,7 @@ class FrameworkRun:
         """Every rank saved step N (or had it already): exit 75 (RunExit)."""
         step = self.run.step
         print(f"rank {self.rank}: stop requested; saved step {step}", file=sys.stderr)
-        self.run._exit(ExitCode.PREEMPTED_SAVED, f"stop requested; saved step {step}")
+        self.run.exit_with(ExitCode.PREEMPTED_SAVED, f"stop requested; saved step {step}")
 
     def finish(self) -> None:
         """The ``exit`` datagram (code 0) and the previous signal handlers back. The
@@ -187,7 +182,7 @@ class FrameworkRun:
         self.run.reporter.send(
             "exit", code=int(ExitCode.OK), reason=f"finished at step {self.step}"
         )
-        self.run._stop.restore()
+        self.run.release_signals()
 
     # --- knobs ------------------------------------------------------------------------
 
@@ -210,27 +205,11 @@ class FrameworkRun:
         """The step directory every rank agrees on, staged first from a remote URI
         (one rank per node); None for a fresh start. Exits 78 (unusable) or 77 (no
         agreement) on every rank, as ``Run.restore`` does. A collective."""
-        run = self.run
-        explicit = self.config.resume_from not in ("latest", "none")
-        if explicit and self.config.resume_from.split("://", 1)[0] in REMOTE_SCHEMES:
-            run._exit(
-                ExitCode.CHECKPOINT_INVALID,
-                f"resume_from={self.config.resume_from} is a remote URI; the node agent "
-                "stages checkpoints onto the node's disk and names the staged copy",
-            )
-        if not explicit and (self.root is None or self.config.resume_from == "none"):
-            return None
-        error = run._stage() if not explicit else None
-        try:
-            chosen, paths, world_at_save = run._agree_on_checkpoint(explicit, error)
-        except CheckpointUnusable as e:
-            run._exit(ExitCode.CHECKPOINT_INVALID, f"checkpoint unusable: {e}")
-        except ResumeMismatch as e:
-            run._exit(ExitCode.RESUME_MISMATCH, str(e))
+        chosen = self.run.agree_on_checkpoint()
         if chosen is None:
             return None
-        step, digest = chosen
-        return Resume(paths[chosen], step, digest, world_at_save)
+        step, digest, path, world_at_save = chosen
+        return Resume(path, step, digest, world_at_save)
 
     def confirm_resumed(self, loaded_step: int, resume: Resume | None) -> None:
         """After the framework loaded ``resume`` (or started fresh): every rank's
@@ -239,32 +218,20 @@ class FrameworkRun:
         the ``resumed`` datagram. A collective."""
         run = self.run
         if resume is not None and loaded_step != resume.step:
-            run._exit(
+            run.exit_with(
                 ExitCode.RESUME_MISMATCH,
                 f"{self.framework} loaded step {loaded_step} from {resume.path}, "
                 f"whose manifest says step {resume.step}",
             )
         if resume is None and loaded_step != 0:
-            run._exit(
+            run.exit_with(
                 ExitCode.RESUME_MISMATCH,
                 f"{self.framework} resumed step {loaded_step} from a checkpoint skyresume did "
                 "not choose (a resume_from_checkpoint/ckpt_path of its own?)",
             )
         digest = resume.digest if resume is not None else None
-        try:
-            agree_on_resume(
-                loaded_step if digest else None,
-                digest,
-                expected_step=self.config.expected_step,
-            )
-        except ResumeMismatch as e:
-            run._exit(ExitCode.RESUME_MISMATCH, str(e))
-        run.step = loaded_step
-        run._restored = True
-        run._last_saved = loaded_step if digest else None
-        run.resumed_digest = digest
+        run.confirm_resumed(loaded_step, digest)
         self.last_saved = loaded_step if digest else None
-        run.reporter.send("resumed", step=loaded_step, manifest_digest=digest)
         if digest and self.rank == 0:
             print(f"resumed from step {loaded_step} ({resume.path})", file=sys.stderr)  # type: ignore[union-attr]
 
@@ -329,7 +296,7 @@ class FrameworkRun:
         else:
             uri = f"{self.durable_uri.rstrip('/')}/{dst.name}" if self.durable_uri else None
         self.last_saved = step
-        self.run._last_saved = step
+        self.run.note_saved(step)
         self._prune_local(step)
         if self.rank == 0:
             self.run.reporter.send(
