@@ -196,3 +196,18 @@ def test_the_integrations_touch_no_private_part_of_run():
             if name == "run" and not node.attr.startswith("__"):
                 found.append(f"{path.name}:{node.lineno}: {name}.{node.attr}")
     assert found == []
+
+
+def test_accelerate_batch_plan_keeps_the_global_batch_before_the_accelerator(monkeypatch):
+    """The loader is built before ``Accelerator``: the plan reads the job's global
+    batch, the planner's micro-batch and torchrun's WORLD_SIZE from the environment."""
+    pytest.importorskip("accelerate")
+    from training.integrations.accelerate import batch_plan
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("SKYRESUME_RUN_GLOBAL_BATCH", "8")
+    assert (batch_plan(2).micro_batch, batch_plan(2).grad_accum) == (2, 1)
+    monkeypatch.setenv("SKYRESUME_RUN_MICRO_BATCH", "1")  # after an OOM
+    plan = batch_plan(2)
+    assert (plan.micro_batch, plan.grad_accum) == (1, 2)
+    assert plan.micro_batch * plan.grad_accum * 4 == 8

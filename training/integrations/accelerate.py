@@ -14,20 +14,31 @@ directory opens with ``accelerator.load_state`` as usual. The step is saved with
 as a registered checkpointing object, so a resume checks the step Accelerate
 actually loaded against the manifest's on every rank.
 
-Data position: ``restore()`` returns the step; the script skips that many batches of
-its epoch with ``accelerator.skip_first_batches`` (what Accelerate's own
-checkpointing example does with the step it parsed from a folder name).
-Knobs: ``run.batch_plan(per_device, accumulation)`` gives the per-device batch and
-accumulation steps after the memory planner's micro-batch, global batch kept.
+Data position: ``restore()`` returns the step; the script skips that many steps'
+micro-batches of its epoch with ``accelerator.skip_first_batches`` (what Accelerate's
+own checkpointing example does with the step it parsed from a folder name).
+Knobs: ``batch_plan(per_device, accumulation)``, before the DataLoader is built, gives
+the per-device batch and the micro-batches per step after the memory planner's
+micro-batch (a smaller one after an OOM), global batch kept.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
-from training.integrations.session import FrameworkRun, Resume
+from training.integrations.session import FrameworkRun, Resume, plan_knobs
 from training.knobs import BatchPlan
+from training.run import RunConfig
+
+
+def batch_plan(per_device: int, accumulation: int = 1, **overrides: Any) -> BatchPlan:
+    """The per-device batch and micro-batches per optimizer step to build the loader
+    with (before ``Accelerator``): the job's global batch (else the script's own,
+    per_device x accumulation x WORLD_SIZE) at the memory planner's micro-batch."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return plan_knobs(RunConfig.from_env(**overrides), world, per_device, accumulation)
 
 
 class _StepCounter:

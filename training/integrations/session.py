@@ -71,6 +71,13 @@ class Resume:
     """The world size that saved it (the framework may not reshard: see each module)."""
 
 
+def plan_knobs(config: RunConfig, world_size: int, per_device: int, accumulation: int) -> BatchPlan:
+    """See :meth:`FrameworkRun.batch_plan`; usable before the framework starts (an
+    Accelerate script builds its DataLoader before the process group exists)."""
+    global_batch = config.global_batch or per_device * accumulation * world_size
+    return plan_batch(global_batch, world_size, config.micro_batch or per_device)
+
+
 class _NoOptimizer:
     """Until the framework has built its optimizer: a NaN before that has no update
     to withhold."""
@@ -191,9 +198,7 @@ class FrameworkRun:
         the job's (``SKYRESUME_RUN_GLOBAL_BATCH``) or else the script's own
         (per_device x accumulation x world size); the memory planner's micro-batch
         (after an OOM, a smaller one) is applied with that global batch kept."""
-        global_batch = self.config.global_batch or per_device * accumulation * self.world_size
-        micro = self.config.micro_batch or per_device
-        return plan_batch(global_batch, self.world_size, micro)
+        return plan_knobs(self.config, self.world_size, per_device, accumulation)
 
     @property
     def activation_checkpointing(self) -> bool:

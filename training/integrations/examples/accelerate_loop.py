@@ -6,7 +6,7 @@ import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from training.integrations.accelerate import AccelerateRun  # skyresume
+from training.integrations.accelerate import AccelerateRun, batch_plan  # skyresume
 
 
 def main() -> None:
@@ -25,26 +25,28 @@ def main() -> None:
     ids = torch.randint(0, 128, (256, 16), generator=torch.Generator().manual_seed(1234))
     # A generator of its own: iter() draws no seed from the global RNG, which a resume restores.
     data_rng = torch.Generator().manual_seed(0)
-    loader = torch.utils.data.DataLoader(ids, a.batch_size, shuffle=True, generator=data_rng)
+    plan = batch_plan(a.batch_size)  # skyresume: after an OOM a smaller micro-batch, same global
+    loader = torch.utils.data.DataLoader(ids, plan.micro_batch, shuffle=True, generator=data_rng)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.1, a.max_steps)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     run = AccelerateRun(accelerator)  # skyresume
     start = run.restore()  # skyresume: accelerator.load_state of the agreed checkpoint
-    epoch, skip = divmod(start, len(loader))
+    epoch, skip = divmod(start * plan.grad_accum, len(loader))
     loader.set_epoch(epoch)
     batches = iter(accelerator.skip_first_batches(loader, skip))
     for _step in run.steps(a.max_steps):  # skyresume: SIGTERM saves and exits 75
-        batch = next(batches, None)
-        if batch is None:
-            epoch += 1
-            loader.set_epoch(epoch)
-            batches = iter(loader)
-            batch = next(batches)
-        loss = model(input_ids=batch, labels=batch).loss
-        accelerator.backward(loss)
+        for _micro in range(plan.grad_accum):
+            batch = next(batches, None)
+            if batch is None:
+                epoch += 1
+                loader.set_epoch(epoch)
+                batches = iter(loader)
+                batch = next(batches)
+            loss = model(input_ids=batch, labels=batch).loss / plan.grad_accum
+            accelerator.backward(loss)
         norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
-        run.report(loss=loss, grad_norm=norm)  # skyresume: NaN exits 76 before the update
+        run.report(loss=loss * plan.grad_accum, grad_norm=norm)  # skyresume: NaN: 76, no update
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
