@@ -213,7 +213,7 @@ def generator(
     import aiohttp
 
     async def run() -> dict[str, Any]:
-        lat: list[float] = []
+        lat: list[tuple[float, float]] = []
         counts = {"accepted": 0, "refused": 0, "errors": 0, "timeouts": 0}
         last_ok: dict[str, float] = {}
         end = t0 + cfg["duration"]
@@ -247,7 +247,7 @@ def generator(
                             raw = await r.read()
                             if r.status == 200:
                                 counts["accepted"] += 1
-                                lat.append(time.perf_counter() - sent)
+                                lat.append((time.time(), time.perf_counter() - sent))
                                 last_ok[f"{job_id}/node{k}"] = time.time()
                                 told = (json.loads(raw) or {}).get("interval_s")
                                 if obey and isinstance(told, (int, float)) and told > 1.0:
@@ -272,6 +272,51 @@ def generator(
         return {**counts, "latencies": lat, "last_ok": last_ok}
 
     q.put(asyncio.run(run()))
+
+
+def api_load(base: str, paths: list[str], start: float, end: float, conc: int, q: Any) -> None:
+    """``conc`` clients, each calling the API's read routes (the CLI's and the
+    dashboard's: job list and detail, attempts, the live view) back to back from
+    ``start`` to ``end``; their latencies."""
+    import aiohttp
+
+    async def run() -> dict[str, Any]:
+        lat: list[float] = []
+        errors = 0
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        timeout = aiohttp.ClientTimeout(total=30.0)
+        async with aiohttp.ClientSession(timeout=timeout, headers=headers) as http:
+
+            async def client(k: int) -> None:
+                nonlocal errors
+                await asyncio.sleep(max(0.0, start - time.time()))
+                i = k
+                while time.time() < end:
+                    sent = time.perf_counter()
+                    try:
+                        async with http.get(base + paths[i % len(paths)]) as r:
+                            await r.read()
+                            if r.status == 200:
+                                lat.append(time.perf_counter() - sent)
+                            else:
+                                errors += 1
+                    except (aiohttp.ClientError, TimeoutError):
+                        errors += 1
+                    i += 1
+
+            await asyncio.gather(*(client(k) for k in range(conc)))
+        return {"latencies": lat, "errors": errors}
+
+    q.put(asyncio.run(run()))
+
+
+def p99_ms(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    return round(1000 * xs[int(len(xs) * 0.99)], 1) if xs else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a and b else None
 
 
 def events(url: str) -> list[dict[str, Any]]:
@@ -349,8 +394,33 @@ def one_run(cores: float | None, mode: str, cfg: dict[str, Any], work: Path) -> 
             rec.start()
             quota.add(rec.pid)
             cfg = {**cfg, "small": jobs[1][0], "mode": mode, "period": period}
+            paths = [
+                "/v1/jobs",
+                f"/v1/jobs/{jobs[0][0]}",
+                f"/v1/jobs/{jobs[1][0]}/attempts",
+                f"/v1/jobs/{jobs[1][0]}/live",
+            ]
+            aq = ctx.Queue()
+            alone = None
+            if cfg["api_conc"]:
+                # The API alone (the reconciler ticking, no beat): its baseline.
+                s0 = time.time()
+                a = ctx.Process(
+                    target=api_load, args=(base, paths, s0, s0 + 8.0, cfg["api_conc"], aq)
+                )
+                a.start()
+                alone = aq.get()
+                a.join()
             q = ctx.Queue()
             t0 = time.time() + 1.0
+            api = None
+            if cfg["api_conc"]:
+                api_from = t0 + cfg["api_from"]
+                api = ctx.Process(
+                    target=api_load,
+                    args=(base, paths, api_from, t0 + cfg["duration"], cfg["api_conc"], aq),
+                )
+                api.start()
             everyone = [(j, k) for j, n in jobs for k in range(n)]
             gens = [
                 ctx.Process(target=generator, args=(base, everyone[p :: cfg["procs"]], t0, cfg, q))
@@ -365,6 +435,9 @@ def one_run(cores: float | None, mode: str, cfg: dict[str, Any], work: Path) -> 
             thr1 = quota.throttled_s()
             for g in gens:
                 g.join()
+            with_beats = aq.get() if api is not None else None
+            if api is not None:
+                api.join()
             time.sleep(2.0)  # the last tick's events
         finally:
             if rec is not None:
@@ -380,7 +453,27 @@ def one_run(cores: float | None, mode: str, cfg: dict[str, Any], work: Path) -> 
     false_lost = [e for e in lost if e not in found]
     incidents = [e for e in evs if e["kind"] == "incident"]
     false_inc = [e for e in incidents if e["job"] != small or e["node"] not in (killed, "node0")]
-    lat = sorted(x for r in results for x in r["latencies"])
+    lat = sorted(x for r in results for _, x in r["latencies"])
+    split = t0 + cfg["api_from"]
+    hb_quiet_api = [x for r in results for at, x in r["latencies"] if at < split]
+    hb_with_api = [x for r in results for at, x in r["latencies"] if at >= split]
+    isolation = {}
+    if alone is not None and with_beats is not None:
+        isolation = {
+            "hb_p99_ms_without_api": p99_ms(hb_quiet_api),
+            "hb_p99_ms_with_api": p99_ms(hb_with_api),
+            "hb_p99_with_api_vs_without": ratio(p99_ms(hb_with_api), p99_ms(hb_quiet_api)),
+            "api_p99_ms_alone": p99_ms(alone["latencies"]),
+            "api_p99_ms_with_beats": p99_ms(with_beats["latencies"]),
+            "api_p99_with_beats_vs_alone": ratio(
+                p99_ms(with_beats["latencies"]), p99_ms(alone["latencies"])
+            ),
+            "api_calls_per_s_alone": round(len(alone["latencies"]) / 8.0, 1),
+            "api_calls_per_s_with_beats": round(
+                len(with_beats["latencies"]) / (cfg["duration"] - cfg["api_from"]), 1
+            ),
+            "api_errors": alone["errors"] + with_beats["errors"],
+        }
     detection = (
         round(found[0]["at"] - last_ok[killed_key], 1) if found and killed_key in last_ok else None
     )
@@ -401,6 +494,7 @@ def one_run(cores: float | None, mode: str, cfg: dict[str, Any], work: Path) -> 
         "service_cpu_s": round(cpu1 - cpu0, 1),
         "throttled_s": round(thr1 - thr0, 1) if thr0 is not None and thr1 is not None else None,
         "period_s": period,
+        **isolation,
         "examples": [e["message"] for e in false_lost[:2]],
     }
 
@@ -414,8 +508,12 @@ def main() -> None:
     p.add_argument("--kill-at", type=float, default=15.0, help="when one node stops beating")
     p.add_argument("--procs", type=int, default=2, help="generator processes")
     p.add_argument("--keep-alive", action="store_true", help="one connection per node")
+    p.add_argument("--api-conc", type=int, default=4, help="API clients (0: none)")
+    p.add_argument("--api-from", type=float, default=40.0, help="when the API load starts")
     args = p.parse_args()
     cfg = {
+        "api_conc": args.api_conc,
+        "api_from": args.api_from,
         "nodes": args.nodes,
         "duration": args.duration,
         "kill_at": args.kill_at,

@@ -287,8 +287,9 @@ def run_service(service: Service) -> None:
         # after the reconciler stopped (callbacks run last-registered first).
         service.app.state.liveness.start()
         service.cleanup.callback(service.app.state.liveness.stop)
-        # Beats are refused (503 + Retry-After) while the loop lags (api/backpressure.py).
-        service.app.state.pressure.arm()
+        # Beats are refused (503 + Retry-After) while the loop lags or connections wait
+        # in these sockets' accept queues (api/backpressure.py).
+        service.app.state.pressure.arm(sockets=service.sockets)
         # Alerts and the run's time series (orchestrator/alerts/loop.py).
         service.app.state.operator.start()
         service.cleanup.callback(service.app.state.operator.stop)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import FastAPI, Response
@@ -121,6 +122,13 @@ class _StrictTransport:
         await self.app(scope, receive, send_)
 
 
+def _heard_age_s(app: FastAPI, job_id: str, node_id: str) -> float | None:
+    """Seconds since this replica accepted a beat from the node; None if never (no I/O:
+    the liveness memory)."""
+    beat = app.state.liveness.latest(job_id, node_id)
+    return None if beat is None else (datetime.now(UTC) - beat.at).total_seconds()
+
+
 def create_app(settings: Settings | None = None, *, engine: Engine | None = None) -> FastAPI:
     settings = settings or Settings()
     app = FastAPI(
@@ -152,8 +160,11 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     # Alerts, the run's time series: built here, started by ``serve`` (run_service).
     app.state.operator = operator_loop(app)
     registry.register(AlertMetrics(app.state.sessionmaker))
-    # Heartbeats are refused fast (503 + Retry-After) while the loop lags (backpressure.py).
-    app.state.pressure = Pressure(lambda: app.state.liveness.fleet_nodes)
+    # Heartbeats are refused fast (503 + Retry-After) while the service is behind, but
+    # never one a node needs to be heard (backpressure.py).
+    app.state.pressure = Pressure(
+        lambda: app.state.liveness.fleet_nodes, heard_age_s=lambda j, n: _heard_age_s(app, j, n)
+    )
     registry.register(PressureMetrics(app.state.pressure, app))
     app.state.registry = registry
 

@@ -5,19 +5,31 @@ Issue 25: at 2,048 nodes on a busy machine the service fell 9.5 s behind (p99) a
 whole request before the client gave up. A late answer helps nobody: the agent has
 already sent the next beat.
 
-* :class:`LoopLag` measures how late the event loop runs its callbacks (a task that
-  sleeps 50 ms and notes how much longer it took). Every request, the heartbeat
-  included, waits that long before a handler sees it.
-* :class:`HeartbeatAdmission` (ASGI, outermost): while the lag is over
-  ``max_lag_s``, ``POST .../heartbeat`` is answered 503 with ``Retry-After`` (whole
-  seconds, RFC 9110) and the longer interval in the body, before the body is read,
-  routed or validated. An agent then waits that long, with jitter, and does not count
-  the refused beat as a failure of its own (``agent/client.py``). The service's own
-  deafness meanwhile is not held against the nodes (``domain.silence``: a refused
-  beat lowers the fleet's intake, which forgives the silence it causes).
-* :func:`interval_for` is the period every heartbeat and register answer carries: it
-  grows with the fleet (``silence.heartbeat_interval_s``), so 2,048 nodes send about
-  256 beats/s, a fixed share of one core, and stays a third of the timeout at most.
+The service is **behind** when any of these says so (:meth:`Pressure.behind`):
+
+* :class:`LoopLag`: how late the event loop runs its callbacks (a task that sleeps
+  50 ms and notes how much longer it took). Every request waits that long.
+* The **accept queue** of the listening sockets (Linux ``TCP_INFO`` on a listening
+  socket: ``tcpi_unacked`` is the connections the kernel holds that the service has
+  not accepted yet). Measured at 2,048 nodes under a CFS quota (BENCHMARKS.md): the
+  loop's lag stayed under 0.5 s while beats waited 10 s there, unseen by the loop.
+* Heartbeats **in flight** inside the app (admitted, not yet answered): the
+  heartbeat path's own backlog.
+
+While it is behind, :class:`HeartbeatAdmission` (ASGI, outermost) answers ``POST
+.../heartbeat`` 503 with ``Retry-After`` (whole seconds, RFC 9110) and the interval in
+the body, before the body is read, routed or validated, **unless the node needs the
+beat**: one this replica has not heard from in half its period is admitted, so
+shedding takes the extra beats (a fleet beating faster than told) and never starves
+one node of being heard while its peers are (``domain.silence`` would then read it,
+rightly, as a node gone quiet amid a hearing fleet). Admitted beats are told the
+longest period allowed (a third of the timeout), so a fleet that obeys beats less.
+An agent waits ``Retry-After``, with jitter, and does not count the refused beat as a
+failure of its own (``agent/client.py``).
+
+:func:`interval_for` is the period every heartbeat and register answer carries: it
+grows with the fleet (``silence.heartbeat_interval_s``), so 2,048 nodes send about
+256 beats/s, a fixed share of one core, and stays a third of the timeout at most.
 
 The thread work of the heartbeat path (a cache miss loads the job) runs on a limiter
 of its own (:data:`HEARTBEAT_THREADS`), so the API's sync routes, which share
@@ -29,8 +41,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import socket
+import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -46,6 +60,15 @@ MAX_LAG_S = 0.5
 LAG_PROBE_S = 0.05
 #: Worker threads of the heartbeat path's cache loads (none shared with other routes).
 HEARTBEAT_THREADS = 4
+#: Connections waiting to be accepted over which the service is behind.
+MAX_ACCEPT_QUEUE = 64
+#: Heartbeats inside the app at once over which the service is behind.
+MAX_IN_FLIGHT = 128
+#: How long one reading of the accept queue is used (one getsockopt per socket).
+ACCEPT_PROBE_S = 0.05
+#: A node heard within this share of its period is refused while the service is
+#: behind; one heard longer ago is admitted (it needs the beat).
+NEEDS_BEAT_SHARE = 0.5
 
 
 class LoopLag:
@@ -82,31 +105,127 @@ class LoopLag:
             self._task = None
 
 
-class Pressure:
-    """One app's heartbeat back-pressure: its loop lag and what it refused."""
+def accept_queue(sockets: Iterable[socket.socket]) -> int | None:
+    """Connections the kernel holds for these listening sockets, not yet accepted
+    (Linux ``TCP_INFO``: ``tcpi_unacked`` of a listening socket); None when no socket
+    could be read (another kernel, a closed socket): unknown, never zero."""
+    total, read = 0, False
+    for sock in sockets:
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        except (OSError, AttributeError):
+            continue
+        if len(info) >= 32:
+            total += struct.unpack_from("=24xI", info)[0]
+            read = True
+    return total if read else None
 
-    def __init__(self, fleet_nodes: Callable[[], int], *, max_lag_s: float | None = None) -> None:
+
+def node_of(path: str) -> tuple[str, str] | None:
+    """(job id, node id) of ``/v1/jobs/{job}/attempts/{n}/nodes/{node}/heartbeat``."""
+    parts = path.split("/")
+    if len(parts) == 9 and parts[1:3] == ["v1", "jobs"] and parts[6] == "nodes":
+        return parts[3], parts[7]
+    return None
+
+
+class Pressure:
+    """One app's heartbeat back-pressure: whether it is behind, and what it refused."""
+
+    def __init__(
+        self,
+        fleet_nodes: Callable[[], int],
+        *,
+        max_lag_s: float | None = None,
+        heard_age_s: Callable[[str, str], float | None] | None = None,
+    ) -> None:
         self.lag = LoopLag()
         self.fleet_nodes = fleet_nodes
         """The fleet's live nodes as this replica knows them."""
+        self.heard_age_s = heard_age_s
+        """Seconds since this replica accepted a beat from (job, node), None if never.
+        None itself (a bare middleware): every beat is refused while behind."""
         self.max_lag_s = max_lag_s
         """None: never refuse (an app embedded in a test or a tool, whose loop is not
         the service's); ``serve`` arms it (:meth:`arm`)."""
+        self.max_accept_queue = MAX_ACCEPT_QUEUE
+        self.max_in_flight = MAX_IN_FLIGHT
+        self.sockets: tuple[socket.socket, ...] = ()
+        """The listening sockets whose accept queue is watched (``serve``'s)."""
+        self.in_flight = 0
+        """Heartbeats admitted and not answered yet."""
         self.refused = 0
         """Beats answered 503 (``/metrics``)."""
+        self.refused_by: dict[str, int] = {"lag": 0, "accept_queue": 0, "in_flight": 0}
+        """Refused beats by what said the service was behind (``/metrics``)."""
+        self._queue: int | None = None
+        self._queue_at = -1.0
 
-    def arm(self, max_lag_s: float = MAX_LAG_S) -> None:
-        """Refuse beats while the loop lags more than ``max_lag_s`` (``serve``)."""
+    def arm(
+        self,
+        max_lag_s: float = MAX_LAG_S,
+        *,
+        sockets: Iterable[socket.socket] = (),
+        max_accept_queue: int = MAX_ACCEPT_QUEUE,
+        max_in_flight: int = MAX_IN_FLIGHT,
+    ) -> None:
+        """Refuse beats while the service is behind (``serve``)."""
         self.max_lag_s = max_lag_s
+        self.sockets = tuple(sockets)
+        self.max_accept_queue = max_accept_queue
+        self.max_in_flight = max_in_flight
+
+    @property
+    def accept_queue(self) -> int | None:
+        """The watched sockets' accept queue (read at most every ``ACCEPT_PROBE_S``)."""
+        now = time.monotonic()
+        if self.sockets and now - self._queue_at > ACCEPT_PROBE_S:
+            self._queue, self._queue_at = accept_queue(self.sockets), now
+        return self._queue
+
+    def behind(self) -> tuple[str, str] | None:
+        """(signal, why) when the service is behind, None when it keeps up or is not
+        armed."""
+        if self.max_lag_s is None:
+            return None
+        lag = self.lag.current_s
+        if lag > self.max_lag_s:
+            return "lag", f"the event loop is {lag:.2f} s late"
+        queue = self.accept_queue
+        if queue is not None and queue > self.max_accept_queue:
+            return "accept_queue", f"{queue} connections wait to be accepted"
+        if self.in_flight > self.max_in_flight:
+            return "in_flight", f"{self.in_flight} heartbeats are in flight"
+        return None
+
+    def needs_beat(self, path: str) -> bool:
+        """The node of this heartbeat path was not heard in ``NEEDS_BEAT_SHARE`` of its
+        period (or never): it is admitted even while the service is behind."""
+        if self.heard_age_s is None:
+            return False
+        ids = node_of(path)
+        if ids is None:
+            return False
+        age = self.heard_age_s(*ids)
+        return age is None or age >= NEEDS_BEAT_SHARE * self.base_interval_s
+
+    @property
+    def base_interval_s(self) -> float:
+        return interval_for(int(self.fleet_nodes()))
 
     @property
     def interval_s(self) -> float:
-        """The period agents are told now."""
-        return interval_for(int(self.fleet_nodes()))
+        """The period agents are told now: the fleet's, or the longest allowed (a
+        third of the timeout) while the service is behind."""
+        base = self.base_interval_s
+        if self.max_lag_s is not None and self.behind() is not None:
+            return max(base, longest_interval())
+        return base
 
 
 class HeartbeatAdmission:
-    """ASGI middleware: refuse heartbeats fast while the loop lags (module docstring)."""
+    """ASGI middleware: refuse heartbeats fast while the service is behind (module
+    docstring), and count the ones in flight."""
 
     def __init__(self, app: ASGIApp, *, pressure: Pressure) -> None:
         self.app = app
@@ -118,19 +237,21 @@ class HeartbeatAdmission:
             return
         p = self.pressure
         p.lag.ensure_started()
-        if (
-            scope.get("method") == "POST"
-            and str(scope.get("path", "")).endswith("/heartbeat")
-            and p.max_lag_s is not None
-            and p.lag.current_s > p.max_lag_s
-        ):
+        path = str(scope.get("path", ""))
+        if scope.get("method") != "POST" or not path.endswith("/heartbeat"):
+            await self.app(scope, receive, send)
+            return
+        behind = p.behind()
+        if behind is not None and not p.needs_beat(path):
+            signal, why = behind
             p.refused += 1
-            interval = 2.0 * p.interval_s
+            p.refused_by[signal] = p.refused_by.get(signal, 0) + 1
+            # Back at its own period: a refused node was heard within half of it,
+            # so it is heard again within 2 periods (with the agent's jitter), far
+            # inside the timeout (3 periods at least).
+            interval = p.base_interval_s
             body = json.dumps(
-                {
-                    "detail": f"the service is behind ({p.lag.current_s:.2f} s); beat later",
-                    "interval_s": interval,
-                }
+                {"detail": f"the service is behind ({why}); beat later", "interval_s": interval}
             ).encode()
             await send(
                 {
@@ -145,12 +266,22 @@ class HeartbeatAdmission:
             )
             await send({"type": "http.response.body", "body": body})
             return
-        await self.app(scope, receive, send)
+        p.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            p.in_flight -= 1
 
 
 def interval_for(fleet_nodes: int, timeout_s: float = 30.0) -> float:
     """The heartbeat period agents are told, for a fleet of this many live nodes."""
     return sl.heartbeat_interval_s(fleet_nodes, timeout_s=timeout_s)
+
+
+def longest_interval(timeout_s: float = 30.0) -> float:
+    """The longest period agents are ever told: a node is still heard
+    ``silence.BEATS_PER_TIMEOUT`` times per timeout."""
+    return round(timeout_s / sl.BEATS_PER_TIMEOUT, 3)
 
 
 def heartbeat_limiter() -> anyio.CapacityLimiter:
@@ -171,10 +302,24 @@ class PressureMetrics:
         yield GaugeMetricFamily(
             "skyresume_event_loop_lag_seconds", "How late the event loop runs", p.lag.current_s
         )
-        yield CounterMetricFamily(
+        refused = CounterMetricFamily(
             "skyresume_heartbeats_refused",
-            "Heartbeats answered 503 with Retry-After (back-pressure)",
-            p.refused,
+            "Heartbeats answered 503 with Retry-After (back-pressure), by what said the "
+            "service was behind",
+            labels=["signal"],
+        )
+        for signal, n in sorted(p.refused_by.items()):
+            refused.add_metric([signal], n)
+        yield refused
+        queue = p.accept_queue
+        if queue is not None:
+            yield GaugeMetricFamily(
+                "skyresume_accept_queue",
+                "Connections the kernel holds that the service has not accepted yet",
+                queue,
+            )
+        yield GaugeMetricFamily(
+            "skyresume_heartbeats_in_flight", "Heartbeats admitted, not answered yet", p.in_flight
         )
         yield GaugeMetricFamily(
             "skyresume_heartbeat_interval_seconds", "The period agents are told", p.interval_s

@@ -5,8 +5,10 @@ answer once the fleet is big, and the fleet's intake as the reconciler samples i
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -16,6 +18,7 @@ from sqlalchemy import update
 from testkit import job_spec
 
 from orchestrator import __version__
+from orchestrator.api import backpressure as bp
 from orchestrator.api.backpressure import HeartbeatAdmission, Pressure
 from orchestrator.contract import AGENT_PROTOCOL
 from orchestrator.store import intake
@@ -80,17 +83,67 @@ def test_the_fleet_size_counts_registered_nodes_before_their_first_beat(client, 
 
 def test_a_refused_beat_is_503_with_retry_after_and_never_reaches_the_route(client, job):
     register(client, job, "n0")
+    assert beat(client, job, "n0").status_code == 200
+    first = client.app.state.liveness.latest(job, "n0")
     pressure = client.app.state.pressure
     assert pressure.max_lag_s is None  # an embedded app never refuses; serve arms it
-    pressure.arm(-1.0)  # any lag at all is too much: every beat is refused
-    r = beat(client, job, "n0")
+    pressure.arm(-1.0)  # any lag at all is too much: beats are refused
+    r = beat(client, job, "n0")  # n0 was heard just now: this beat is an extra
     assert r.status_code == 503
-    assert r.headers["retry-after"] == "2" and r.json()["interval_s"] == 2.0
-    assert client.app.state.liveness.latest(job, "n0") is None  # not recorded
+    assert r.headers["retry-after"] == "1" and r.json()["interval_s"] == 1.0
+    assert "the event loop is" in r.json()["detail"]
+    assert client.app.state.liveness.latest(job, "n0") is first  # not recorded
     assert client.get(f"/v1/jobs/{job}").status_code == 200  # other routes are served
     metrics = client.get("/metrics").text
-    assert "skyresume_heartbeats_refused_total 1.0" in metrics
-    assert "skyresume_heartbeat_interval_seconds 1.0" in metrics
+    assert 'skyresume_heartbeats_refused_total{signal="lag"} 1.0' in metrics
+    assert "skyresume_heartbeat_interval_seconds 10.0" in metrics  # behind: the longest
+
+
+def test_while_behind_a_node_not_heard_for_half_its_period_is_still_admitted(client, job):
+    # Shedding takes extra beats, never a node's only one: refusing by time alone
+    # would leave some healthy nodes unheard while their peers are heard, which
+    # ``domain.silence`` reads, rightly, as a node gone quiet.
+    register(client, job, "n0")
+    register(client, job, "n1")
+    assert beat(client, job, "n0").status_code == 200
+    client.app.state.pressure.arm(-1.0)
+    assert beat(client, job, "n1").status_code == 200  # never heard: it needs the beat
+    assert beat(client, job, "n0").status_code == 503  # heard just now: an extra
+    live = client.app.state.liveness
+    with live._lock:  # n0's beat half a period (0.5 s of 1 s) old
+        b = live._latest[(job, "n0")]
+        live._latest[(job, "n0")] = replace(b, at=b.at - timedelta(seconds=0.6))
+    r = beat(client, job, "n0")
+    assert r.status_code == 200 and r.json() == {"interval_s": 10.0}  # told to beat less
+
+
+def test_connections_waiting_in_the_accept_queue_mean_the_service_is_behind():
+    """A real listening socket: connections the kernel completed that nobody accepted."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    clients = [socket.create_connection(srv.getsockname()) for _ in range(5)]
+    try:
+        assert bp.accept_queue([srv]) == 5
+        pressure = Pressure(lambda: 10)
+        pressure.arm(10.0, sockets=[srv], max_accept_queue=4)
+        assert pressure.behind() == ("accept_queue", "5 connections wait to be accepted")
+        srv.accept()[0].close()
+        pressure.arm(10.0, sockets=[srv], max_accept_queue=4)  # a fresh reading
+        pressure._queue_at = -1.0
+        assert pressure.behind() is None
+    finally:
+        for c in clients:
+            c.close()
+        srv.close()
+    assert bp.accept_queue([srv]) is None  # closed: unknown, never "none waiting"
+
+
+def test_too_many_beats_in_flight_mean_the_service_is_behind():
+    pressure = Pressure(lambda: 10)
+    pressure.arm(10.0, max_in_flight=2)
+    pressure.in_flight = 3
+    assert pressure.behind() == ("in_flight", "3 heartbeats are in flight")
 
 
 def test_while_the_event_loop_lags_beats_are_refused_and_other_requests_pass():
