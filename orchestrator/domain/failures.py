@@ -402,7 +402,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         _F.NAN_DIVERGENCE,
         0.92,
         r"loss is nan",
-        r"loss is inf",
+        r"loss is inf(inity)?",
         r"Loss became infinite or NaN",
         r"\bnan (loss|detected)",
         r"returned nan values",
@@ -428,7 +428,7 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"(nan|inf) (values? )?(found|detected|encountered|appeared)",
         r"\bnan in (the )?(loss|gradients?|outputs?|weights|parameters|activations|logits)",
         r"\b(ppl|perplexity)\W{0,3}(nan|inf)\b",
-        r"loss (value )?(is|was|became|becomes|=) (nan|inf)\b",
+        r"loss (value )?(is|was|became|becomes|=) (nan|inf(inity)?)\b",
     )
     + _r(
         _F.NAN_DIVERGENCE,
@@ -458,6 +458,8 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"(parameters|weights) (differ|diverged) across",
         # nccl-tests' correctness check and torch.testing's report of wrong values.
         r"Out of bounds values\s*:\s*[1-9]\d*",
+        # CLBlast's tester: the share of a case's elements that differ from the reference.
+        r"Error rate (?!0+(?:\.0+)?%)[\d.]+%: m=\d+",
         r"Mismatched elements: [1-9]\d* /",
         r"Tensor-likes are not (close|equal)",
         r"(results?|outputs?|values?) (are |is )?(wrong|incorrect|corrupted)",
@@ -709,6 +711,9 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"keyboard interrupt received",
         r"\bscancel\b",
         r"DUE TO PREEMPTION",
+        # AWS's spot status for an instance its own account (or tool) terminated: a
+        # stop from outside, not a reclaim (npk: the tool shuts its fleet down itself).
+        r"instance-terminated-by-user|user-initiated termination",
         # Azure's scheduled events other than Preempt: a planned stop, not a reclaim.
         r'"EventType"\s*:\s*"(Terminate|Reboot|Redeploy)"',
         r"terminated in response to imminent node shutdown|graceful node shutdown",
@@ -751,6 +756,8 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"ClusterNotUpError",
         r"instance (was )?(terminated|stopped) (by|unexpectedly)",
         r"(node|actor|worker) (died|has died) unexpectedly|marked (as )?dead",
+        # Ray's NODE_DIED task error ("the node it was running on is dead or unavailable").
+        r"\bnode\b.{0,40}\bis dead\b",
         r"TCP (send|recv) error",
         r"store->get\(.*\) got error",
         # Open MPI's own texts for a peer or a node daemon that went away (issue 23).
@@ -857,7 +864,8 @@ def _clip(line: str) -> str:
 
 _NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
 # "loss: 1.23", "Total loss: 0.5", "lm loss: 2.3E+00", "'loss': 0.4", "loss_-4.06",
-# "loss_rpn_cls: 0.3" (its own series). A line that is only a number is series "".
+# "loss_rpn_cls: 0.3" (its own series), "Loss is 1.26" (BigDL). A line that is only a
+# number is series "".
 # A digit glued to the name is part of it, never a value: Caffe's GoogLeNet prints
 # "loss1/loss1 = 0.29" then "loss2/loss2 = 0.25", and read as values 1, 2, 3 those
 # names made a healthy log a rising loss (BVLC/caffe#6373). So the name may end in
@@ -865,7 +873,7 @@ _NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
 _LOSS_VALUE = re.compile(
     r"(?<![\w])((?:[A-Za-z]+[ _/])?(?:[A-Za-z]*loss(?:es)?\d*|ppl|perplexity)"
     r"(?:[_/][A-Za-z]+\d*)*)"
-    rf"['\"]?[\s:=_'\"]+(?:tensor\()?({_NUM})(?!\w|\.\d)",
+    rf"['\"]?[\s:=_'\"]+(?:(?:is|was)\s+)?(?:tensor\()?({_NUM})(?!\w|\.\d)",
     re.IGNORECASE,
 )
 _BARE_NUMBER = re.compile(rf"^\s*({_NUM})\s*$")
@@ -981,33 +989,86 @@ _SLOW_FACTOR = 2.0
 _MIN_ENTITIES = 3
 
 
-def _per_entity(lines: list[str], pattern: re.Pattern[str]) -> dict[str, tuple[float, str]]:
-    """The last value ``pattern`` reads for each rank/GPU/node named in the lines."""
-    by_entity: dict[str, tuple[float, str]] = {}
+def _per_entity(lines: list[str], pattern: re.Pattern[str]) -> dict[str, list[tuple[float, str]]]:
+    """Every value ``pattern`` reads for each rank/GPU/node named in the lines, in order."""
+    by_entity: dict[str, list[tuple[float, str]]] = {}
     for line in lines:
         e, v = _ENTITY.search(line), pattern.search(line)
         if e and v:
             value = float(next(g for g in v.groups() if g is not None))
-            by_entity[f"{e.group(1).lower()}{e.group(2)}"] = (value, line)
+            by_entity.setdefault(f"{e.group(1).lower()}{e.group(2)}", []).append((value, line))
     return by_entity
 
 
-def _slow_peer(lines: list[str]) -> str | None:
-    """The line of an entity far slower than its peers (>= 3 of them report), or of a
-    step time that rose to a multiple of its trend and stayed, or None."""
-    for pattern, slow_is_high in ((_DURATION, True), (_THROUGHPUT, False)):
-        by_entity = _per_entity(lines, pattern)
-        if len(by_entity) < _MIN_ENTITIES:
+def _slowest_per_round(
+    by_entity: dict[str, list[tuple[float, str]]], slow_is_high: bool
+) -> list[tuple[str, float, str]]:
+    """For each report round (the k-th value of every entity), the slowest entity, how
+    many times off the median of the others it is, and its line. Rounds, not the last
+    values alone: each rank prints its own step time every step, and the straggler is
+    the one slow in the same step as its peers (rwth-i6/returnn#1485: 2.8 s against
+    0.9-1.4 s in step 0, 3.2 s against 2.1-2.2 s in step 1)."""
+    rounds = max((len(v) for v in by_entity.values()), default=0)
+    out: list[tuple[str, float, str]] = []
+    for k in range(rounds):
+        row = {key: vals[k] for key, vals in by_entity.items() if len(vals) > k}
+        if len(row) < _MIN_ENTITIES:
             continue
-        for key, (value, line) in by_entity.items():
-            others = [v for k, (v, _) in by_entity.items() if k != key]
-            med = _median(others)
+        worst: tuple[str, float, str] | None = None
+        for key, (value, line) in row.items():
+            med = _median([v for other, (v, _) in row.items() if other != key])
             if med <= 0 or value <= 0:
                 continue
             ratio = value / med if slow_is_high else med / value
+            if worst is None or ratio > worst[1]:
+                worst = (key, ratio, line)
+        if worst is not None:
+            out.append(worst)
+    return out
+
+
+def _slow_peer(lines: list[str]) -> str | None:
+    """The line of an entity far slower than its peers (>= 3 of them report) in one
+    report round, or of a step time that rose to a multiple of its trend and stayed, or
+    None."""
+    for pattern, slow_is_high in ((_DURATION, True), (_THROUGHPUT, False)):
+        for _, ratio, line in _slowest_per_round(_per_entity(lines, pattern), slow_is_high):
             if ratio >= _SLOW_FACTOR:
                 return line
-    return _slow_row(lines) or _step_time_slowdown(lines)
+    return _slow_row(lines) or _slow_host_in_pairs(lines) or _step_time_slowdown(lines)
+
+
+# "se02gn644,se02gn699     49.36": a sweep of two-node tests (nccl-tests' all_reduce
+# between each pair of hosts), one figure per pair.
+_HOST_PAIR = re.compile(rf"^\s*([A-Za-z][\w.-]*),\s*([A-Za-z][\w.-]*)\s+({_NUM})(?![\w.])")
+#: A host is the slow one when every pair it is in is this many times off the median
+#: of the pairs it is not in (either way: the figure may be a bandwidth or a time).
+_SLOW_PAIR_FACTOR = 1.5
+
+
+def _slow_host_in_pairs(lines: list[str]) -> str | None:
+    """The line of a pair with the one host whose every pair is far off the others
+    (NVIDIA/nccl-tests#106: ~49 GB/s whenever se02gn644 is in the pair, ~88 without),
+    or None. At least two pairs with the host and two without it."""
+    pairs = [
+        (m.group(1), m.group(2), float(m.group(3)), line)
+        for line in lines
+        if (m := _HOST_PAIR.match(line))
+    ]
+    for host in dict.fromkeys(h for a, b, _, _ in pairs for h in (a, b)):
+        mine = [(v, line) for a, b, v, line in pairs if host in (a, b)]
+        others = [v for a, b, v, _ in pairs if host not in (a, b)]
+        if len(mine) < 2 or len(others) < 2:
+            continue
+        med = _median(others)
+        if med <= 0 or any(v <= 0 for v, _ in mine):
+            continue
+        ratios = [v / med for v, _ in mine]
+        if all(r <= 1 / _SLOW_PAIR_FACTOR for r in ratios) or all(
+            r >= _SLOW_PAIR_FACTOR for r in ratios
+        ):
+            return mine[0][1]
+    return None
 
 
 _TABLE_HEADER = re.compile(r"^\W*(rank|gpu|node|host|worker)\b(.*time.*)$", re.IGNORECASE)
@@ -1068,6 +1129,44 @@ def _zeroed_copy(text: str) -> str | None:
             start = text.rfind("\n", 0, m.end()) + 1
             end = text.find("\n", m.end())
             return text[start : end if end >= 0 else len(text)]
+    return None
+
+
+#: A truncated copy: at least this many trailing zeros (and a quarter of the tensor).
+_MIN_TRUNCATED_ZEROS = 4
+
+
+def _truncated_copy(text: str) -> str | None:
+    """The line of a tensor printed beside a same-layout copy that agrees with it on a
+    prefix and is all zeros after it, where the copy holds non-zero numbers: a
+    transfer or reduction that stopped part way, with no error (NVIDIA/nccl#1950: the
+    last 8 of 10 elements of an avg reduction left as zeros), or None."""
+    found = []
+    for m in _ANY_TENSOR.finditer(text):
+        body = m.group(1)
+        nums = [float(n) for n in _TENSOR_NUMBERS.findall(body)]
+        layout = re.sub(_NUM, "x", re.sub(r"\s+", "", body))
+        found.append((m.start(), layout, nums))
+    for start, layout, nums in found:
+        n = len(nums)
+        k = n
+        while k > 0 and nums[k - 1] == 0.0:
+            k -= 1
+        zeros = n - k
+        if k == 0 or zeros < max(_MIN_TRUNCATED_ZEROS, n // 4):
+            continue
+        for other_start, other_layout, other in found:
+            if other_start == start or other_layout != layout or len(other) != n:
+                continue
+            scale = max(max(map(abs, nums[:k] + other[:k])), 1e-12)
+            same_prefix = all(
+                abs(x - y) <= _COPY_TOLERANCE * scale
+                for x, y in zip(nums[:k], other[:k], strict=True)
+            )
+            if same_prefix and all(v != 0.0 for v in other[k:]):
+                line_start = text.rfind("\n", 0, start) + 1
+                line_end = text.find("\n", start)
+                return text[line_start : line_end if line_end >= 0 else len(text)]
     return None
 
 
@@ -1175,6 +1274,16 @@ _LOCAL_IPC_FRAME = re.compile(
 #: Rules of bare socket words, which name no peer by themselves: beside local IPC
 #: frames they say nothing (``unknown``, retried) rather than a lost node or store.
 _SOCKET_WORDS = frozenset({r"Connection refused", r"Connection reset by peer", r"Broken pipe"})
+#: A line that names a cause only as one possibility ("This can happen if the node was
+#: preempted, had a hardware failure, or its raylet crashed"; "(OOM, preempted node,
+#: etc.)"). Ray prints such lists in its node-death errors; read as a notice, a list of
+#: guesses became a confident preemption (ray-project/ray#58638), and a preemption's
+#: recovery skips the checks a lost or broken node needs.
+_HEDGED = re.compile(
+    r"\b(?:can|could|may|might) (?:happen|occur|be (?:caused|due))\b"
+    r"|\bpossible (?:reasons?|causes?)\b|\be\.g\.|\betc\.",
+    re.IGNORECASE,
+)
 #: The innermost frame of a traceback in checkpoint or process-group code, with no
 #: cause named: below every named error and the user's exception.
 _FRAME_CONFIDENCE = 0.65
@@ -1213,18 +1322,30 @@ def _scan(lines: list[str]) -> Classification | None:
 
     local_ipc = _local_ipc(lines)
     for line in lines:
+        hedged = _HEDGED.search(line) is not None
         # The strongest rule that matches the line speaks for it.
         rule = max(
-            (r for r in _RULES if r.matches(line) and not (local_ipc and r.text in _SOCKET_WORDS)),
+            (
+                r
+                for r in _RULES
+                if r.matches(line)
+                and not (local_ipc and r.text in _SOCKET_WORDS)
+                and not (hedged and r.failure_class is _F.PREEMPTION_NOTICE)
+            ),
             key=lambda r: r.confidence,
             default=None,
         )
         if rule is not None and rule.failure_class is not _F.UNKNOWN:
             hit(rule.failure_class, rule.confidence, line)
+    text = "\n".join(lines)
+    corruption = _zeroed_copy(text) or _truncated_copy(text) or _copies_disagree(lines)
     last = _last_exception(lines)
     if (
         last is not None
         and last[0].rsplit(".", 1)[-1] in _USER_EXCEPTIONS
+        # An assertion whose own message shows a copy that arrived zeroed or cut short
+        # failed on the data, not on the user's logic (NVIDIA/nccl#1950).
+        and corruption != last[2]
         # "ValueError: TCP send error. Details: Broken pipe": the message names the
         # cause, the type only says which layer raised it.
         and not any(
@@ -1243,7 +1364,7 @@ def _scan(lines: list[str]) -> Classification | None:
     for cls, found in (
         (_F.LOSS_SPIKE, _loss_spike(lines)),
         (_F.SLOW_PEER, _slow_peer(lines)),
-        (_F.SILENT_CORRUPTION, _zeroed_copy("\n".join(lines)) or _copies_disagree(lines)),
+        (_F.SILENT_CORRUPTION, corruption),
     ):
         if found is not None:
             hit(cls, _NUMERIC_CONFIDENCE, found)
