@@ -21,8 +21,15 @@ Reported per run: false ``node_lost`` (any node but the killed one) and incident
 (any but the killed node's), whether the killed node was found and how long after
 its last accepted beat (its detection time; the quiet run's is the baseline and each
 starved run's ratio against it is printed), ``control_plane_degraded`` events,
-beats accepted and refused, p99 latency, and the service's CPU. Ends with one JSON
-line ``{"bench": "overload", ...}``. Root is needed for the cgroup.
+beats accepted and refused, p99 latency, and the service's CPU.
+
+Isolation, in the same run (``--api-conc`` clients, 0 for none): the API's read
+routes (the CLI's and the dashboard's: job list and detail, attempts, the live view)
+are called back to back for 8 s before the fleet beats (the API alone), and again
+from ``--api-from`` seconds into the load to its end. Reported: the heartbeats' p99
+before and after the API load starts, and the API's p99 alone and with the beats,
+each as a ratio. Ends with one JSON line ``{"bench": "overload", ...}``. Root is
+needed for the cgroup.
 """
 
 from __future__ import annotations

@@ -163,7 +163,9 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     # Heartbeats are refused fast (503 + Retry-After) while the service is behind, but
     # never one a node needs to be heard (backpressure.py).
     app.state.pressure = Pressure(
-        lambda: app.state.liveness.fleet_nodes, heard_age_s=lambda j, n: _heard_age_s(app, j, n)
+        lambda: app.state.liveness.fleet_nodes,
+        heard_age_s=lambda j, n: _heard_age_s(app, j, n),
+        unflushed_s=lambda: app.state.liveness.unflushed_s,
     )
     registry.register(PressureMetrics(app.state.pressure, app))
     app.state.registry = registry

@@ -42,6 +42,7 @@ import dataclasses
 import enum
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
@@ -122,6 +123,7 @@ class LiveHeartbeats:
         self._thread: threading.Thread | None = None
         self.flushes = 0
         """Successful flushes (tests and the bench read it)."""
+        self._flushed_at = time.monotonic()
         self.failed_flushes = 0
         self.fleet_nodes = 0
         """Nodes registered for the current attempts this replica knows (at the last
@@ -233,6 +235,15 @@ class LiveHeartbeats:
     def pending(self) -> int:
         return len(self._pending)
 
+    @property
+    def unflushed_s(self) -> float:
+        """Seconds since the last successful flush while beats wait for one (0 when
+        none waits): how far SQL, which other replicas' reconcilers read, is behind
+        this replica's memory (``api/backpressure.py``: the service is behind)."""
+        if not self._pending:
+            return 0.0
+        return time.monotonic() - self._flushed_at
+
     # --- flushing -------------------------------------------------------------------
 
     @property
@@ -291,6 +302,7 @@ class LiveHeartbeats:
                 self.failed_flushes += 1
                 return False
             self.flushes += 1
+            self._flushed_at = time.monotonic()
             self._refresh(jobs, fresh)
             return True
 

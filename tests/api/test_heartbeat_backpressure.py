@@ -217,3 +217,18 @@ def test_each_intake_sample_counts_the_nodes_heard_since_the_one_before(client, 
         after = intake.fleet_intake(s, datetime.now(UTC), 4.0, seen)
         then = intake.fleet_intake(s, datetime.now(UTC), 4.0, seen)
     assert (after.fresh, after.expected, then.fresh) == (2, 3, 0)
+
+
+def test_beats_waiting_long_for_their_commit_mean_the_service_is_behind(client, job):
+    # SQL is what other replicas' reconcilers read: a late flush there is silence.
+    live, pressure = client.app.state.liveness, client.app.state.pressure
+    register(client, job, "n0")
+    assert live.flush()
+    pressure.arm(10.0, max_unflushed_s=0.05)
+    assert pressure.behind() is None  # nothing waits for a commit
+    assert beat(client, job, "n0").status_code == 200  # waits in the batch
+    time.sleep(0.1)
+    signal, why = pressure.behind() or ("", "")
+    assert signal == "flush" and "for their commit" in why
+    assert live.flush()
+    assert live.unflushed_s == 0.0 and pressure.behind() is None
