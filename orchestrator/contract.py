@@ -129,8 +129,138 @@ class Env:
     #: job runs (``{"checkpoint_every": N}``; for chaos ``"inject_fault": {"kind":
     #: FaultKind, "token": str, "rank": int | None}``, acted on once per token by the
     #: named global rank, or by every rank of the node when rank is None); the training library
-    #: re-reads it.
+    #: re-reads it. On an elastic run it also carries the group's membership under
+    #: :data:`MEMBERSHIP_KEY` (see :class:`Membership`).
     CONTROL_FILE = "SKYRESUME_RUN_CONTROL_FILE"
+    #: Elastic runs whose agent re-forms process groups warm (writes a
+    #: :class:`Membership` into the control file when the group changes): seconds a rank
+    #: that left its group (a lost peer, or a newer membership) waits for a membership
+    #: newer than the one it left before it exits ``REGROUP_FAILED`` for a cold restart.
+    #: Unset or 0: warm regroup is off, and a lost peer's collective error ends the
+    #: process as it always did (an agent that restarts survivors cold sets nothing).
+    REGROUP_TIMEOUT_S = "SKYRESUME_RUN_REGROUP_TIMEOUT_S"
+
+
+#: The control file's key for an elastic group's membership: the object
+#: :meth:`Membership.to_doc` writes, for example
+#: ``{"generation": 2, "world_size": 2, "node_rank": 1, "nnodes": 2, "nproc_per_node": 1,
+#: "master_addr": "10.0.0.4", "master_port": 29411, "resume_step": 40,
+#: "resume_from": "latest"}``. The agent writes it into each member node's control file
+#: (the same object on every node but ``node_rank``), atomically, as it writes the rest.
+MEMBERSHIP_KEY = "membership"
+
+
+@dataclass(frozen=True)
+class Membership:
+    """One generation of an elastic group: who is in it and where it resumes.
+
+    A rank whose group ended (``RegroupReason``) re-forms on the first membership whose
+    ``generation`` is newer than the one it left: ``init_process_group`` with
+    ``tcp://master_addr:master_port``, rank ``node_rank * nproc_per_node + LOCAL_RANK``
+    and ``world_size``, then loads ``resume_from``. A rank that starts cold adopts the
+    generation its control file names when it starts (the agent writes the membership
+    before it starts the ranks, and sets their torchrun/env rendezvous from it)."""
+
+    generation: int
+    """Increases by one or more with every change of the group; >= 1 (0 is the first
+    launch's own group, for which nothing need be written)."""
+    world_size: int
+    """Ranks in the group: ``nnodes * nproc_per_node``."""
+    node_rank: int
+    """This node's rank in the group, 0 .. nnodes - 1 (the one field that differs
+    between the members' control files)."""
+    nnodes: int
+    nproc_per_node: int
+    master_addr: str
+    """Where global rank 0 of the new group listens (its process hosts the TCP store)."""
+    master_port: int
+    """A port free on ``master_addr``; a new one per generation, since the previous
+    group's store may still hold it."""
+    resume_step: int | None
+    """The step every rank must resume at (the last confirmed checkpoint after a lost
+    node); None: the newest complete checkpoint every rank has (a planned grow: the
+    ranks save at the boundary where they leave, after the membership was written)."""
+    resume_from: str = "latest"
+    """``latest`` or a local ``step_<N>`` directory path on the node's disk (never an
+    s3:// or gs:// URI: the agent stages those first)."""
+
+    def __post_init__(self) -> None:
+        for name in ("generation", "world_size", "node_rank", "nnodes", "nproc_per_node"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"membership: {name} must be an integer, got {v!r}")
+        if self.generation < 1:
+            raise ValueError(f"membership: generation must be >= 1, got {self.generation}")
+        if self.nnodes < 1 or self.nproc_per_node < 1:
+            raise ValueError(
+                f"membership: nnodes ({self.nnodes}) and nproc_per_node "
+                f"({self.nproc_per_node}) must be positive"
+            )
+        if self.world_size != self.nnodes * self.nproc_per_node:
+            raise ValueError(
+                f"membership: world_size {self.world_size} is not nnodes {self.nnodes} "
+                f"x nproc_per_node {self.nproc_per_node}"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"membership: node_rank {self.node_rank} is outside 0..{self.nnodes - 1}"
+            )
+        if not isinstance(self.master_addr, str) or not self.master_addr:
+            raise ValueError(f"membership: master_addr must be a host, got {self.master_addr!r}")
+        port = self.master_port
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise ValueError(f"membership: master_port must be 1..65535, got {port!r}")
+        step = self.resume_step
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ValueError(f"membership: resume_step must be a step number or null, got {step!r}")
+        if not isinstance(self.resume_from, str) or self.resume_from in ("", "none"):
+            raise ValueError(
+                f"membership: resume_from must be 'latest' or a step directory, got "
+                f"{self.resume_from!r} (a re-formed group never starts fresh)"
+            )
+
+    def global_rank(self, local_rank: int) -> int:
+        """The rank of a node's ``local_rank`` in this group; ValueError when the
+        membership gives the node fewer ranks than that."""
+        if not 0 <= local_rank < self.nproc_per_node:
+            raise ValueError(
+                f"local rank {local_rank} is not in generation {self.generation} "
+                f"({self.nproc_per_node} rank(s) per node)"
+            )
+        return self.node_rank * self.nproc_per_node + local_rank
+
+    @property
+    def init_method(self) -> str:
+        """``tcp://host:port`` for ``init_process_group`` (an IPv6 host in brackets)."""
+        host = f"[{self.master_addr}]" if ":" in self.master_addr else self.master_addr
+        return f"tcp://{host}:{self.master_port}"
+
+    def to_doc(self) -> dict[str, Any]:
+        return {
+            "generation": self.generation,
+            "world_size": self.world_size,
+            "node_rank": self.node_rank,
+            "nnodes": self.nnodes,
+            "nproc_per_node": self.nproc_per_node,
+            "master_addr": self.master_addr,
+            "master_port": self.master_port,
+            "resume_step": self.resume_step,
+            "resume_from": self.resume_from,
+        }
+
+    @classmethod
+    def from_doc(cls, doc: Any) -> Membership:
+        """ValueError naming the field when ``doc`` is not a valid membership."""
+        if not isinstance(doc, dict):
+            raise ValueError(f"membership: expected an object, got {type(doc).__name__}")
+        names = (
+            "generation", "world_size", "node_rank", "nnodes", "nproc_per_node",
+            "master_addr", "master_port", "resume_step", "resume_from",
+        )  # fmt: skip
+        missing = [n for n in names if n not in doc]
+        if missing:
+            raise ValueError(f"membership: missing {', '.join(missing)}")
+        return cls(**{n: doc[n] for n in names})
 
 
 #: The agent <-> service protocol (the agent routes' bodies and their meaning). An
@@ -154,6 +284,12 @@ class ExitCode(IntEnum):
     CHECKPOINT_INVALID = 78
     #: The reference forward pass drifted: silent data corruption suspected.
     SILENT_CORRUPTION = 79
+    #: Elastic, warm regroup on: the rank left its process group (a lost peer, or a
+    #: newer membership, then it had saved) and did not re-form: no newer membership
+    #: within ``REGROUP_TIMEOUT_S``, a stop while it waited, a membership without this
+    #: rank, or a model sharded on the old group (FSDP). Its memory is of no use: the
+    #: agent restarts it cold, from a checkpoint.
+    REGROUP_FAILED = 80
 
 
 # --- the shared vocabulary (service, reconciler, agent, training) -----------------------
@@ -232,6 +368,18 @@ class NodeState(StrEnum):
     RUNNING = "running"
     STOPPING = "stopping"
     EXITED = "exited"
+
+
+class RegroupReason(StrEnum):
+    """Why an elastic rank's process group ended while the process lives on (the
+    ``regroup`` datagram's ``reason``)."""
+
+    PEER_LOST = "peer_lost"  # a collective failed: a peer's connection closed or reset
+    PEER_TIMEOUT = "peer_timeout"  # a collective waited past the group's timeout: a peer
+    # hung, or its host vanished without closing its sockets
+    MEMBERSHIP = "membership"  # planned: the control file named a newer generation; the
+    # ranks saved at that step boundary first
+    FORM_FAILED = "form_failed"  # the newer membership's group did not form in time
 
 
 class FaultKind(StrEnum):
@@ -373,5 +521,10 @@ def check_commit(commit_bytes: bytes, manifest_bytes: bytes, *, source: str = "C
 #:   commit; blocking_s = how long training waited for the save)
 #: * ``anomaly``: kind (nan | spike | straggler | silent_corruption), step, detail
 #: * ``exit``: code, reason (best effort, just before a deliberate exit)
-PROGRESS_TYPES = frozenset({"progress", "resumed", "anomaly", "checkpoint", "exit"})
+#: * ``regroup``: generation (the one left), reason (``RegroupReason``), error (the
+#:   collective's error text, or null), step (steps done in memory), saved_step (the step
+#:   saved before a planned leave, else null), pid: an elastic rank left its process
+#:   group and now waits for a newer ``Membership`` in its control file; once it re-forms,
+#:   its ``resumed`` datagram (with ``generation``) follows again
+PROGRESS_TYPES = frozenset({"progress", "resumed", "anomaly", "checkpoint", "exit", "regroup"})
 MAX_DATAGRAM = 8192

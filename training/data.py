@@ -111,6 +111,18 @@ class ResumableSampler:
             )
         self.global_batch = global_batch
 
+    def reslice(self, rank: int, world_size: int, global_batch: int | None = None) -> None:
+        """Serve ``rank`` of ``world_size`` from the next step on (a warm regroup: the
+        same sampler in a process whose world changed), with ``global_batch`` when the
+        batch follows the world (elastic scale). The position is unchanged; a resume
+        sets it next."""
+        batch = self.global_batch if global_batch is None else global_batch
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in a world of {world_size}")
+        if batch < 1 or batch % world_size:
+            raise ValueError(f"global batch {batch} is not divisible by {world_size} ranks")
+        self.rank, self.world_size, self.global_batch = rank, world_size, batch
+
     def advance(self) -> None:
         """One step done: move past its global batch."""
         self.consumed += self.global_batch

@@ -53,6 +53,27 @@ resumes), and a torch ``LRScheduler`` is kept at position ``samples //
 full_global_batch`` (``samples``: a counter in the checkpoint) instead of one per
 step. What cannot follow (a non-torch optimizer, ReduceLROnPlateau) is refused at
 construction, on the full world too.
+
+Warm regroup (``groups()``, ``training.regroup``): a script trains inside
+
+    for group in run.groups():
+        with group:
+            run.rewrap(DDP(model))      # what uses the process group, per group
+            for step in run.steps(max_steps): ...
+
+On a plain run that is one group and changes nothing. On an elastic run whose agent
+writes memberships (``REGROUP_TIMEOUT_S`` set), a collective error that says a peer
+is gone (gloo's text; nothing else: a user's bug, an OOM, a ``RunExit`` propagate),
+or a newer membership generation every rank read at a step boundary (they save that
+step first), ends the group and not the process: the rank destroys the process
+group, sends a ``regroup`` datagram, waits for a newer ``Membership`` in the control
+file (or exits ``REGROUP_FAILED`` for a cold restart), joins the new group over
+``tcp://`` with its new rank and world and the same collective timeout, replans
+everything above that depends on the world (batch plan, lr factor and schedule, the
+sampler's slice, the Checkpointer and its group, the monitors), and yields the next
+group, whose ``restore()`` loads the membership's checkpoint and sends ``resumed``
+again. The model, optimizer and scheduler objects stay; the script builds only the
+wrapper that holds the old group.
 """
 
 from __future__ import annotations
@@ -67,7 +88,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 from urllib.parse import urlparse
 
 from orchestrator.contract import (
@@ -75,6 +96,8 @@ from orchestrator.contract import (
     Env,
     ExitCode,
     FaultKind,
+    Membership,
+    RegroupReason,
     StrEnum,
     manifest_digest,
 )
@@ -97,7 +120,7 @@ from training.elastic import (
     refuse_unscalable,
     scale_lr_during_step,
 )
-from training.knobs import BatchPlan, plan_batch
+from training.knobs import BatchPlan, collective_timeout_from_env, plan_batch
 from training.monitors import (
     Finding,
     Spike,
@@ -109,6 +132,19 @@ from training.monitors import (
     detect_straggler,
 )
 from training.progress import ProgressReporter
+from training.regroup import (
+    Group,
+    GroupEnd,
+    LeaveForMembership,
+    MembershipTimeout,
+    StoppedWhileWaiting,
+    await_membership,
+    detect_group_loss,
+    drop_ddp_hooks,
+    process_group_timeout,
+    sharded_on_group,
+    stale_ddp,
+)
 from training.resume import (
     CheckpointUnusable,
     RankCandidates,
@@ -220,6 +256,11 @@ class RunConfig:
     more) or scale it with the world, the learning rate following ``elastic_lr``."""
     elastic_lr: ElasticLR = ElasticLR.LINEAR
     """With ``elastic_batch`` scale: the learning rate x world / full, or its sqrt."""
+    regroup_timeout_s: float = 0.0
+    """Elastic runs (``full_world_size`` set) in ``Run.groups()``: seconds a rank whose
+    group ended waits for a newer membership in the control file before it exits
+    ``REGROUP_FAILED``; 0: warm regroup off (``Env.REGROUP_TIMEOUT_S``, set by an agent
+    that writes memberships)."""
     micro_batch: int | None = None
     """Per-rank micro-batch the memory planner chose (None = the whole per-rank batch)."""
     activation_checkpoint_every: int = 0
@@ -266,6 +307,8 @@ class RunConfig:
             raise ValueError(f"global_batch must be positive, got {self.global_batch}")
         if self.full_world_size is not None and self.full_world_size < 1:
             raise ValueError(f"full_world_size must be positive, got {self.full_world_size}")
+        if not self.regroup_timeout_s >= 0:  # NaN too
+            raise ValueError(f"regroup_timeout_s must be >= 0, got {self.regroup_timeout_s}")
         # Plain strings (a script's flags) become the enums; a bad one is refused here.
         object.__setattr__(self, "elastic_batch", _enum(ElasticBatch, self.elastic_batch))
         object.__setattr__(self, "elastic_lr", _enum(ElasticLR, self.elastic_lr))
@@ -295,6 +338,7 @@ class RunConfig:
             full_world_size=_env_int(env, Env.FULL_WORLD_SIZE, None),
             elastic_batch=_env_enum(env, Env.ELASTIC_BATCH, ElasticBatch, ElasticBatch.KEEP),
             elastic_lr=_env_enum(env, Env.ELASTIC_LR, ElasticLR, ElasticLR.LINEAR),
+            regroup_timeout_s=_env_int(env, Env.REGROUP_TIMEOUT_S, 0) or 0,
             micro_batch=_env_int(env, Env.MICRO_BATCH, None) or None,
             activation_checkpoint_every=_env_int(env, Env.ACTIVATION_CHECKPOINT_EVERY, 0) or 0,
             progress_addr=env.get(Env.PROGRESS_ADDR, ""),
@@ -331,6 +375,10 @@ class _StepTimes:
     waited: float = 0.0
     """Seconds this step spent blocked in the run's own collectives."""
     window: list[float] = field(default_factory=list)
+
+
+def _local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def checkpoint_tiers(uri: str, local_dir: str) -> tuple[Path | None, str | None, str | None]:
@@ -389,29 +437,18 @@ class Run:
         """This world's batch and lr factor (the full world's on a non-elastic run)."""
         if sampler is not None:
             self._fit_sampler(sampler)
-        global_batch = self.elastic.global_batch
-        self.global_batch = global_batch
+        self.global_batch: int | None = None
         """Samples per optimizer step on this world, every rank's together."""
         self.full_global_batch = self.elastic.full_global_batch
         """The spec's global batch, for the full world (``global_batch`` but in scale mode)."""
-        self.lr_factor = self.elastic.lr_factor
+        self.lr_factor = 1.0
         """What the scheduler's lr is multiplied by inside ``optimizer.step()`` (the param
         groups keep the full world's lr; log ``lr * run.lr_factor`` for the one applied)."""
-        # The current world size, never the env's GRAD_ACCUM: the service computes that
-        # for the full world, and a shrunk world needs more accumulation.
-        self.batch_plan: BatchPlan | None = (
-            plan_batch(global_batch, self.world_size, config.micro_batch)
-            if global_batch is not None
-            else None
-        )
+        self.batch_plan: BatchPlan | None = None
+        """Micro-batch and accumulation for this world."""
         self._schedule: SamplesSchedule | None = None
-        if self.elastic.batch_follows_world:
-            refuse_unscalable(optimizer, scheduler)  # on every launch, the full one too
-            if self.lr_factor != 1.0:
-                scale_lr_during_step(optimizer, self.lr_factor)
-            if scheduler is not None and global_batch != self.full_global_batch:
-                assert self.full_global_batch is not None  # plan_elastic refuses None
-                self._schedule = SamplesSchedule(scheduler, self.full_global_batch)
+        self._lr_hooks: tuple[Any, ...] = ()
+        self._plan_world()
         self.step = 0
         """Optimizer steps completed (the next step to run)."""
         self.samples = 0
@@ -449,20 +486,63 @@ class Run:
         self.root, self.upload_uri, durable = checkpoint_tiers(
             config.checkpoint_uri, config.local_dir
         )
-        self.checkpointer: Checkpointer | None = (
-            Checkpointer(
-                self.root,
-                keep=config.keep,
-                use_async=config.use_async,
-                extra={"global_batch": global_batch},
-                upload_uri=self.upload_uri,
-                durable_uri=durable,
-                on_commit=self._on_commit,
-            )
-            if self.root is not None
+        self._durable_uri = durable
+        self.checkpointer: Checkpointer | None = self._make_checkpointer()
+        self._hook_ddp()
+        self.warm_regroup = bool(
+            self.distributed and config.full_world_size is not None and config.regroup_timeout_s
+        )
+        """Elastic with an agent that writes memberships: inside ``groups()``, a lost
+        peer or a newer membership ends the group, not the process."""
+        self.generation = 0
+        """The membership generation of the current process group (0: the first
+        launch's own group, when the control file names none)."""
+        self._group: Group | None = None
+        """The group of ``groups()`` being trained on, if any."""
+        self._leave_due: int | None = None
+        """A newer generation every rank read at this step boundary: save and leave."""
+        self._group_timeout: Any = None
+        self._backend = ""
+        if self.warm_regroup:
+            self._adopt_generation_at_start()
+
+    def _plan_world(self) -> None:
+        """Batch, accumulation, lr factor and schedule for ``self.elastic`` (this world)."""
+        for hook in self._lr_hooks:
+            hook.remove()
+        self._lr_hooks = ()
+        global_batch = self.elastic.global_batch
+        self.global_batch = global_batch
+        self.lr_factor = self.elastic.lr_factor
+        # The current world size, never the env's GRAD_ACCUM: the service computes that
+        # for the full world, and a shrunk world needs more accumulation.
+        self.batch_plan = (
+            plan_batch(global_batch, self.world_size, self.config.micro_batch)
+            if global_batch is not None
             else None
         )
-        self._hook_ddp()
+        self._schedule = None
+        if self.elastic.batch_follows_world:
+            refuse_unscalable(self.optimizer, self.scheduler)  # on every launch, the full one too
+            if self.lr_factor != 1.0:
+                self._lr_hooks = scale_lr_during_step(self.optimizer, self.lr_factor)
+            if self.scheduler is not None and global_batch != self.full_global_batch:
+                assert self.full_global_batch is not None  # plan_elastic refuses None
+                self._schedule = SamplesSchedule(self.scheduler, self.full_global_batch)
+
+    def _make_checkpointer(self) -> Checkpointer | None:
+        """A Checkpointer for the current process group (it holds a group of its own)."""
+        if self.root is None:
+            return None
+        return Checkpointer(
+            self.root,
+            keep=self.config.keep,
+            use_async=self.config.use_async,
+            extra={"global_batch": self.global_batch},
+            upload_uri=self.upload_uri,
+            durable_uri=self._durable_uri,
+            on_commit=self._on_commit,
+        )
 
     def _fit_sampler(self, sampler: ResumableSampler) -> None:
         """The sampler must take this world's global batch. In scale mode one built
@@ -597,6 +677,12 @@ class Run:
         disagree. Sends one ``resumed`` datagram per rank once they agree."""
         if self._restored:
             return self.step
+        if self.warm_regroup and stale_ddp(self.model):
+            raise RuntimeError(
+                "run.model is a DistributedDataParallel of an earlier process group: build "
+                "the wrapper inside `with group:` of `for group in run.groups()` and pass it "
+                "to run.rewrap()"
+            )
         explicit = self.config.resume_from not in ("latest", "none")
         remote = urlparse(self.config.resume_from).scheme if explicit else ""
         if remote in REMOTE_SCHEMES:
@@ -626,6 +712,8 @@ class Run:
             try:
                 step = self._load(step_dir, world_at_save)
             except (CheckpointError, RuntimeError, ValueError, KeyError) as e:
+                if self.warm_regroup and detect_group_loss(e) is not None:
+                    raise  # a peer died during the load: the checkpoint is not at fault
                 self._exit(ExitCode.CHECKPOINT_INVALID, f"{step_dir}: could not load: {e}")
             digest = chosen[1]
         try:
@@ -638,7 +726,10 @@ class Run:
         self._last_saved = step if digest else None
         self.resumed_digest = digest
         self._restored = True
-        self.reporter.send("resumed", step=step, manifest_digest=digest)
+        # With warm regroup the generation says which group resumed (every rank of it
+        # must say the same step); without, the datagram is as it always was.
+        generation = {"generation": self.generation} if self.warm_regroup else {}
+        self.reporter.send("resumed", step=step, manifest_digest=digest, **generation)
         if digest and self.rank == 0:
             print(f"resumed from step {step} ({paths[chosen]})", file=sys.stderr)  # type: ignore[index]
         return step
@@ -749,6 +840,8 @@ class Run:
         while self.step < max_steps:
             if self.should_stop():
                 self.stop_and_exit()
+            if self._leave_due is not None:
+                self._save_and_leave(self._leave_due)
             self._skip_batches()
             self._begin_step()
             yield self.step
@@ -830,8 +923,12 @@ class Run:
             self._polled = True
             self._take_fault()
         every = self._control.checkpoint_every or 0
+        named = self._control.membership
+        gen = named.generation if named is not None and self.warm_regroup else 0
+        # The generation each rank read rides along (MAX and -MIN, like the interval), so
+        # ranks leave for a new membership only once every one of them has read it.
         flags = torch.tensor(
-            [1 if self._stop.requested_here else 0, every, -every], dtype=torch.int64
+            [1 if self._stop.requested_here else 0, every, -every, gen, -gen], dtype=torch.int64
         )
         if self._fault_now is FaultKind.TRANSPORT:
             self._note_fault(FaultKind.TRANSPORT)
@@ -843,7 +940,11 @@ class Run:
             t0 = time.perf_counter()
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             self._times.waited += time.perf_counter() - t0
-        stop, hi, lo = (int(x) for x in flags)
+        stop, hi, lo, gen_hi, gen_lo = (int(x) for x in flags)
+        group = self._group
+        agreed_gen = gen_hi if gen_hi == -gen_lo else None
+        if agreed_gen is not None and agreed_gen > self.generation and group and group.active:
+            self._leave_due = agreed_gen
         if hi == -lo and hi > 0 and hi != self.checkpoint_every:
             if self.rank == 0:
                 print(
@@ -853,21 +954,29 @@ class Run:
             self.checkpoint_every = hi
         return bool(stop)
 
+    def _save_now(self) -> None:
+        """Save this step synchronously on every rank (after the save in flight),
+        unless it is saved already: the stop's emergency save, a planned leave's."""
+        ckpt = self.checkpointer
+        if ckpt is None:
+            return
+        try:
+            ckpt.wait()  # the periodic save in flight first, then this one synchronously
+        except CheckpointError as e:  # every rank gets the same outcome
+            print(f"rank {self.rank}: {e}; saving this step anyway", file=sys.stderr)
+        if self._last_saved != self.step:
+            use_async, ckpt.use_async = ckpt.use_async, False
+            try:
+                ckpt.save(self.state_dict(), self.step)
+            finally:
+                ckpt.use_async = use_async
+            self._last_saved = self.step
+
     def stop_and_exit(self) -> None:
         """Save the emergency checkpoint (all ranks, same step) and exit 75."""
         ckpt = self.checkpointer
         if ckpt is not None:
-            try:
-                ckpt.wait()  # the periodic save in flight first, then this one synchronously
-            except CheckpointError as e:  # every rank gets the same outcome
-                print(f"rank {self.rank}: {e}; saving the emergency one anyway", file=sys.stderr)
-            if self._last_saved != self.step:
-                use_async, ckpt.use_async = ckpt.use_async, False
-                try:
-                    ckpt.save(self.state_dict(), self.step)
-                finally:
-                    ckpt.use_async = use_async
-                self._last_saved = self.step
+            self._save_now()
             ckpt.close()
         print(f"rank {self.rank}: stop requested; saved step {self.step}", file=sys.stderr)
         self._exit(ExitCode.PREEMPTED_SAVED, f"stop requested; saved step {self.step}")
@@ -984,6 +1093,225 @@ class Run:
 
             dist.barrier()
             dist.destroy_process_group()
+
+    # --- process groups (elastic: warm regroup) ----------------------------------------
+
+    def groups(self) -> Iterator[Group]:
+        """Each process group the run trains on; train inside ``with group:``.
+
+            for group in run.groups():
+                with group:
+                    ddp = DDP(model)  # what uses the group is built per group
+                    run.rewrap(ddp)
+                    for step in run.steps(max_steps):
+                        ...
+            run.finish()
+
+        One group, exceptions propagating as without it, unless warm regroup is on
+        (``warm_regroup``: an elastic run, ``REGROUP_TIMEOUT_S`` set). Then a lost
+        peer's collective error, or a newer membership generation in the control file
+        at a step boundary (every rank saves that step first), ends the group, not the
+        process: the rank destroys the process group, sends a ``regroup`` datagram,
+        waits for a newer ``Membership``, joins its group (``tcp://``, its new rank and
+        world, the same collective timeout), replans batch, lr factor and sampler for
+        the new world, and yields the next group, whose ``restore()`` loads the
+        membership's checkpoint. The model, optimizer and the process stay. A rank
+        that cannot re-form exits ``REGROUP_FAILED`` for a cold restart."""
+        while True:
+            group = Group(self.generation, self.rank, self.world_size, warm=self.warm_regroup)
+            self._group = group
+            yield group
+            self._group = None
+            end = group.end
+            if end is None:  # finished (or never entered): the run is done with groups
+                return
+            self._regroup(end)
+
+    def rewrap(self, model: Any) -> None:
+        """The model as wrapped for the current process group (a DDP built inside the
+        group): its state is saved and restored through it, and Run times compute with
+        a comm hook on it. A DDP of an earlier group is refused at ``restore()``."""
+        self.model = model
+        self._hook_ddp()
+
+    def _adopt_generation_at_start(self) -> None:
+        """A rank starting cold belongs to the generation its control file names (the
+        agent writes the membership before it starts ranks); only a newer one re-forms."""
+        import torch.distributed as dist
+
+        self._group_timeout = process_group_timeout(collective_timeout_from_env())
+        self._backend = dist.get_backend()
+        self._control.poll()
+        named = self._control.membership
+        if named is None:
+            return
+        self.generation = named.generation
+        try:
+            want: tuple[int, int] | None = (named.world_size, named.global_rank(_local_rank()))
+        except ValueError:
+            want = None
+        if want != (self.world_size, self.rank):
+            print(
+                f"rank {self.rank}: warning: the control file's generation {named.generation} "
+                f"is world {named.world_size}, this process group is rank {self.rank} of "
+                f"{self.world_size}; taking it as generation {named.generation}",
+                file=sys.stderr,
+            )
+
+    def _save_and_leave(self, generation: int) -> None:
+        """Every rank read ``generation`` at this boundary: save it, then leave."""
+        self._leave_due = None
+        ckpt = self.checkpointer
+        self._save_now()
+        saved = self._last_saved if ckpt is not None else None
+        if self.rank == 0:
+            print(
+                f"generation {generation} named at step {self.step}: saved step {saved}; "
+                f"leaving generation {self.generation}",
+                file=sys.stderr,
+                flush=True,
+            )
+        raise LeaveForMembership(generation, saved)
+
+    def _regroup(self, end: GroupEnd) -> None:
+        """From a group that ended to the next one's first ``restore()`` (see ``groups``)."""
+        import torch.distributed as dist
+
+        if sharded_on_group(self.model):
+            # The lost rank's shards are gone and the survivors' cannot move to a new
+            # mesh in place: the only way on is a cold start from the checkpoint.
+            if end.reason is RegroupReason.MEMBERSHIP:  # saved: as a stop does
+                self._exit(ExitCode.PREEMPTED_SAVED, f"sharded model: saved step {end.saved_step}")
+            self._exit(ExitCode.REGROUP_FAILED, f"sharded model cannot regroup warm: {end.error}")
+        first_line = (end.error or "").splitlines()[0] if end.error else ""
+        print(
+            f"rank {self.rank}: generation {self.generation} ended at step {self.step} "
+            f"({end.reason}{': ' + first_line if first_line else ''}); waiting up to "
+            f"{self.config.regroup_timeout_s:g} s for a newer membership",
+            file=sys.stderr,
+            flush=True,
+        )
+        ckpt, self.checkpointer = self.checkpointer, None
+        if ckpt is not None:
+            try:
+                ckpt.close()  # its thread's collectives fail fast too, or time out
+            except CheckpointError as e:
+                print(f"rank {self.rank}: {e} (never committed)", file=sys.stderr)
+        drop_ddp_hooks(self.model)
+        self.optimizer.zero_grad(set_to_none=True)  # a half-done step's gradients
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # nothing can be formed over a group torch still holds
+            self._exit(ExitCode.REGROUP_FAILED, f"destroy_process_group failed: {e}")
+        self._send_regroup(self.generation, end)
+        newer_than = self.generation
+        while True:
+            membership = self._await_membership(newer_than)
+            failed = self._join(membership)
+            if failed is None:
+                break
+            print(f"rank {self.rank}: gen {membership.generation}: {failed}", file=sys.stderr)
+            self._send_regroup(membership.generation, GroupEnd(RegroupReason.FORM_FAILED, failed))
+            newer_than = membership.generation
+        self._adopt_world(membership)
+
+    def _send_regroup(self, generation: int, end: GroupEnd) -> None:
+        self.reporter.send(
+            "regroup",
+            generation=generation,
+            reason=str(end.reason),
+            error=end.error,
+            step=self.step,
+            saved_step=end.saved_step,
+            pid=os.getpid(),
+        )
+
+    def _await_membership(self, newer_than: int) -> Membership:
+        def read() -> Membership | None:
+            self._control.poll()
+            return self._control.membership
+
+        try:
+            return await_membership(
+                read,
+                newer_than,
+                self.config.regroup_timeout_s,
+                stopped=lambda: self._stop.requested_here,
+            )
+        except (MembershipTimeout, StoppedWhileWaiting) as e:
+            self._exit(ExitCode.REGROUP_FAILED, f"{e}; restart this rank cold")
+            raise  # unreachable: _exit raises
+
+    def _join(self, m: Membership) -> str | None:
+        """Form ``m``'s process group; None when formed, else why not (the group is
+        then torn down again, so a newer membership can be tried)."""
+        import torch.distributed as dist
+
+        try:
+            rank = m.global_rank(_local_rank())
+        except ValueError as e:
+            self._exit(ExitCode.REGROUP_FAILED, f"{e}; this rank is not in the new group")
+        t0 = time.perf_counter()
+        try:
+            dist.init_process_group(
+                self._backend,
+                init_method=m.init_method,
+                rank=rank,
+                world_size=m.world_size,
+                timeout=self._group_timeout,
+            )
+        except (RuntimeError, ValueError) as e:  # DistStoreError, DistNetworkError: peers
+            with contextlib.suppress(Exception):
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            return f"could not form the group at {m.init_method}: {type(e).__name__}: {e}"
+        # What a script or library reads from torchrun's variables must name this group.
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(m.world_size),
+            GROUP_RANK=str(m.node_rank),
+            LOCAL_WORLD_SIZE=str(m.nproc_per_node),
+            MASTER_ADDR=m.master_addr,
+            MASTER_PORT=str(m.master_port),
+        )
+        print(
+            f"rank {self.rank} -> {rank} of {m.world_size}: generation {m.generation} formed "
+            f"at {m.init_method} in {time.perf_counter() - t0:.2f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+
+    def _adopt_world(self, m: Membership) -> None:
+        """Everything of Run that depends on the world, for the group just formed; the
+        next ``restore()`` loads ``m``'s checkpoint, as a cold start would."""
+        import torch.distributed as dist
+
+        self.generation = m.generation
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.reporter.rank = self.rank
+        self.config = replace(self.config, resume_from=m.resume_from, expected_step=m.resume_step)
+        self.elastic = self.config.elastic_plan(self.world_size, self.full_global_batch)
+        self._plan_world()
+        if self.sampler is not None:
+            self.sampler.reslice(self.rank, self.world_size, self.global_batch)
+        self.checkpointer = self._make_checkpointer()  # its own gloo group, in the new world
+        # As a cold start: the next restore() decides the step, and per-process
+        # monitors start over (their history is of steps the resume may redo).
+        self._restored = False
+        self._last_saved = None
+        self._skipped = False
+        self._polled = False
+        self._leave_due = None
+        self._fault_now = None
+        self._nan_next = False
+        self._spike_left = 0
+        self._times = _StepTimes()
+        self._stragglers = StragglerRun(self.config.straggler_persist)
+        self._loss_spikes = SpikeDetector(self.config.spike)
+        self._grad_norms.clear()
+        self._uploads_seen = 0
+        self.last_straggler = None
 
     # --- monitors ---------------------------------------------------------------------
 
@@ -1108,7 +1436,7 @@ class Run:
         step = self.step if step is None else step
         self.reporter.send("anomaly", kind=kind, step=step, detail=detail, **fields)
 
-    def _exit(self, code: ExitCode, reason: str) -> None:
+    def _exit(self, code: ExitCode, reason: str) -> NoReturn:
         self.reporter.send("exit", code=int(code), reason=reason)
         if code != ExitCode.PREEMPTED_SAVED:
             print(f"rank {self.rank}: error: {reason}", file=sys.stderr)

@@ -21,10 +21,14 @@ size sees exactly the samples an uninterrupted run would have.
 Elastic runs (``SKYRESUME_RUN_FULL_WORLD_SIZE`` set, ``training.elastic``): the
 sampler takes ``config.global_batch_for(world)`` and the accumulation comes from
 ``run.batch_plan``, so a shrunk world keeps the global batch (``keep``) or trains
-on its share of it with the learning rate scaled (``scale``). ``--sample-log``
-writes what every rank trained on, one JSON line per step, for tests that check
-that a run cut and resumed on other world sizes saw every sample as often as an
-uninterrupted one.
+on its share of it with the learning rate scaled (``scale``). With warm regroup
+(``SKYRESUME_RUN_REGROUP_TIMEOUT_S``, set by an agent that writes memberships into
+the control file) the loop ``for group in run.groups(): with group: ...`` outlives
+its process group: a lost node or a new membership ends the group, and the same
+process re-forms it, builds a new DDP wrapper around the same model and resumes
+from the membership's checkpoint. ``--sample-log`` writes what every rank trained
+on, one JSON line per step, for tests that check that a run cut and resumed on
+other world sizes saw every sample as often as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -121,17 +125,21 @@ class SampleLog:
     checkpoint, so a step may be logged by several launches.
 
     A reader takes, for each step, the lines of the latest launch that ran it
-    (``launch``: rank 0's clock in ns when the launch started, the same on every rank
-    of it). Not the last line per (step, rank): after 3 ranks -> 2, rank 2's line of
-    a redone step is from the earlier launch and was never kept."""
+    (``launch``: rank 0's clock in ns when the launch, or a warm regroup's next process
+    group, started; the same on every rank of it). Not the last line per (step, rank):
+    after 3 ranks -> 2, rank 2's line of a redone step is from the earlier launch and
+    was never kept. ``pid`` tells a warm regroup (the same process) from a restart.
+    The file is named by the rank the process started as."""
 
-    def __init__(self, path: str, rank: int, launch: int) -> None:
-        self.launch = launch
+    def __init__(self, path: str, rank: int) -> None:
+        self.launch = 0
+        """Set by the script at the start of each process group."""
         self._file = open(path.replace("{rank}", str(rank)), "a") if path else None  # noqa: SIM115
 
     def write(self, **record: object) -> None:
         if self._file is not None:
-            self._file.write(json.dumps({**record, "launch": self.launch}) + "\n")
+            doc = {**record, "launch": self.launch, "pid": os.getpid()}
+            self._file.write(json.dumps(doc) + "\n")
             self._file.flush()
 
     def close(self) -> None:
@@ -208,10 +216,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sample-log",
         default=env.get(SAMPLE_LOG, ""),
         help="append one JSON line per step and rank (step, rank, world, global_batch, "
-        "indices, loss, lr, launch) to this path; '{rank}' in it is the rank (empty: "
+        "indices, loss, lr, launch, pid) to this path; '{rank}' in it is the rank (empty: "
         f"off; env {SAMPLE_LOG}). Per step, the latest launch's lines count",
     )
     return p.parse_args(argv)
+
+
+def wrap_for_group(model: nn.Module, *, fsdp: bool) -> nn.Module:
+    """What the model trains through in the current process group: a new DDP per group
+    (DDP holds the group it was built on); the model itself under FSDP (sharded in
+    place once) or without a process group."""
+    if fsdp or not dist.is_initialized():
+        return model
+    # find_unused_parameters=True keeps DDP's first bucket layout for good. By default
+    # DDP rebuilds its buckets after the first iteration of every process, so a resumed
+    # run would reduce its first step's gradients in another order than an
+    # uninterrupted one (ring allreduce over 3+ ranks is not associative in floating
+    # point) and drift by ~1e-8: not a bitwise-exact resume.
+    return nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+
+
+def lm_loss(batch: torch.Tensor, net: nn.Module, vocab: int) -> torch.Tensor:
+    logits = net(batch[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, vocab), batch[:, 1:].reshape(-1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,18 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.fsdp and dist.is_initialized():
         from torch.distributed.fsdp import fully_shard
 
+        # In place and before the optimizer (it takes the sharded parameters): once per
+        # process. A sharded model is never regrouped warm (Run exits for a cold start).
         for block in model.blocks:
             fully_shard(block)
-        ddp = fully_shard(model)  # each rank holds 1/N of the state: async saves copy less
-    elif dist.is_initialized():
-        # find_unused_parameters=True keeps DDP's first bucket layout for good. By
-        # default DDP rebuilds its buckets after the first iteration of every process,
-        # so a resumed run would reduce its first step's gradients in another order
-        # than an uninterrupted one (ring allreduce over 3+ ranks is not associative in
-        # floating point) and drift by ~1e-8: not a bitwise-exact resume.
-        ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
-    else:
-        ddp = model
+        fully_shard(model)  # each rank holds 1/N of the state: async saves copy less
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
     try:
@@ -273,74 +293,78 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         sys.exit(f"error: {e}")
 
-    def loss_of(batch: torch.Tensor, net: nn.Module) -> torch.Tensor:
-        logits = net(batch[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, args.vocab), batch[:, 1:].reshape(-1))
-
     # A fixed batch outside the training stream, run on the unwrapped model.
     reference = synthetic_batch(args.seed + 1, list(range(4)), args.seq, args.vocab)
     run = Run(
         config,
-        model=ddp,  # the wrapper: Run times each rank's compute with a DDP comm hook
+        model=model,  # rewrapped for each process group below
         optimizer=optimizer,
         scheduler=sched,
         sampler=sampler,
-        reference_fn=lambda: loss_of(reference, model),
+        reference_fn=lambda: lm_loss(reference, model, args.vocab),
     )
-    launch = [time.time_ns()]
-    if args.sample_log and dist.is_initialized():
-        dist.broadcast_object_list(launch, src=0)  # one id for every rank of this launch
-    log = SampleLog(args.sample_log, rank, launch[0])
-    run.restore()
-    assert run.batch_plan is not None
-    micro, accum = run.batch_plan.micro_batch, run.batch_plan.grad_accum
-    first_step = run.step
+    log = SampleLog(args.sample_log, rank)
     at = args.inject_spike_at
     spike_steps = range(at, at + chaos.SPIKE_STEPS) if at >= 0 else range(0)
-    for step in run.steps(args.max_steps):
-        model.train()
-        indices = sampler.indices()
-        batch = synthetic_batch(args.seed, indices, args.seq, args.vocab)
-        if step == first_step and 0 <= args.oom_above_micro_batch < micro:
-            # What a card too small for this micro-batch does in its first forward; a
-            # re-planned smaller micro-batch runs, the smallest one fails again.
-            raise chaos.cuda_oom_error(tried_gib=0.25 * micro)
-        features = {"tokens": batch}
-        # The user's bug at that step (every rank): reading a key the batch lacks.
-        tokens = features["input_ids" if step == args.raise_keyerror_at_step else "tokens"]
-        if rank == args.slow_rank:
-            time.sleep(args.slow_seconds)
-        total = 0.0
-        for m in range(accum):
-            chunk = tokens[m * micro : (m + 1) * micro]
-            loss = run.perturb_loss(loss_of(chunk, ddp))  # chaos spike: x10 here
-            if step == args.inject_nan_at:
-                loss = loss * float("nan")
-            if step in spike_steps:
-                loss = loss * chaos.SPIKE_FACTOR
-            (loss / accum).backward()
-            total += loss.item() / accum
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        run.report(loss=total, grad_norm=grad_norm)  # NaN/Inf: exit 76, no update
-        # The lr this step applies: the param groups hold the full world's.
-        lr = optimizer.param_groups[0]["lr"] * run.lr_factor
-        optimizer.step()
-        sched.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step == args.inject_corruption_at and rank == min(1, run.world_size - 1):
-            with torch.no_grad():
-                model.head.weight[0, 0] *= -4.0  # a flipped sign and exponent bit
-        log.write(
-            step=step,
-            rank=rank,
-            world=run.world_size,
-            global_batch=run.global_batch,
-            indices=indices,
-            loss=total,
-            lr=lr,
-        )
-        if args.step_sleep:
-            time.sleep(args.step_sleep)
+    # One group on a plain run. With warm regroup (elastic, the agent writes memberships)
+    # a lost node or a new membership ends the group, and this loop re-forms it in the
+    # same process: only what uses the process group is built again.
+    for group in run.groups():
+        with group:
+            ddp = wrap_for_group(model, fsdp=args.fsdp)
+            run.rewrap(ddp)  # the wrapper: Run times each rank's compute with a DDP comm hook
+            launch = [time.time_ns()]
+            if args.sample_log and dist.is_initialized():
+                dist.broadcast_object_list(launch, src=0)  # one id for every rank of the group
+            log.launch = launch[0]
+            run.restore()
+            assert run.batch_plan is not None
+            micro, accum = run.batch_plan.micro_batch, run.batch_plan.grad_accum
+            first_step = run.step
+            for step in run.steps(args.max_steps):
+                model.train()
+                indices = sampler.indices()
+                batch = synthetic_batch(args.seed, indices, args.seq, args.vocab)
+                if step == first_step and 0 <= args.oom_above_micro_batch < micro:
+                    # What a card too small for this micro-batch does in its first forward;
+                    # a re-planned smaller micro-batch runs, the smallest one fails again.
+                    raise chaos.cuda_oom_error(tried_gib=0.25 * micro)
+                features = {"tokens": batch}
+                # The user's bug at that step (every rank): reading a key the batch lacks.
+                tokens = features["input_ids" if step == args.raise_keyerror_at_step else "tokens"]
+                if run.rank == args.slow_rank:
+                    time.sleep(args.slow_seconds)
+                total = 0.0
+                for m in range(accum):
+                    chunk = tokens[m * micro : (m + 1) * micro]
+                    loss = run.perturb_loss(lm_loss(chunk, ddp, args.vocab))  # chaos spike
+                    if step == args.inject_nan_at:
+                        loss = loss * float("nan")
+                    if step in spike_steps:
+                        loss = loss * chaos.SPIKE_FACTOR
+                    (loss / accum).backward()
+                    total += loss.item() / accum
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                run.report(loss=total, grad_norm=grad_norm)  # NaN/Inf: exit 76, no update
+                # The lr this step applies: the param groups hold the full world's.
+                lr = optimizer.param_groups[0]["lr"] * run.lr_factor
+                optimizer.step()
+                sched.step()
+                optimizer.zero_grad(set_to_none=True)
+                if step == args.inject_corruption_at and run.rank == min(1, run.world_size - 1):
+                    with torch.no_grad():
+                        model.head.weight[0, 0] *= -4.0  # a flipped sign and exponent bit
+                log.write(
+                    step=step,
+                    rank=run.rank,
+                    world=run.world_size,
+                    global_batch=run.global_batch,
+                    indices=indices,
+                    loss=total,
+                    lr=lr,
+                )
+                if args.step_sleep:
+                    time.sleep(args.step_sleep)
     log.close()
     if args.save_final:
         from torch.distributed.checkpoint.state_dict import (
@@ -356,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             "optim": get_optimizer_state_dict(model, optimizer, options=full),
             "step": run.step,
         }
-        if rank == 0:
+        if run.rank == 0:
             torch.save(final, args.save_final)
     run.finish()
     return 0
