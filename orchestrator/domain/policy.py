@@ -1,8 +1,9 @@
 """Recovery policy: which action each failure class gets, as data.
 
-The reconciler looks up :data:`POLICY` for the classified failure and then asks
-:func:`decide_recovery` for the final word, because one rule needs history: the same
-user code error twice means retrying is wasted money, so the job fails fast.
+``decide()`` looks up :data:`POLICY` for the incident's class (``remedy.remedy_for``);
+whether the job may go on at all is ``remedy.refuse_to_continue``'s, because those
+rules need history: the same user code error ``restarts.max_same_user_error`` times
+(2 by default) means retrying is wasted money, so the job fails fast.
 
 Each action with an example event sequence (``R`` = attempt):
 
@@ -42,8 +43,6 @@ Each action with an example event sequence (``R`` = attempt):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
 from enum import StrEnum
 
 from orchestrator.domain.failures import FailureClass
@@ -90,44 +89,3 @@ POLICY: dict[FailureClass, RecoveryAction] = {
 #: Classes whose failures count against the region (the cloud took the node back).
 #: Hardware faults blame the node, not the region.
 BLAMES_REGION: frozenset[FailureClass] = frozenset({_F.PREEMPTION_NOTICE, _F.NODE_LOST})
-
-#: Identical user code errors after which retrying stops.
-USER_ERROR_FAIL_FAST_AFTER = 2
-
-
-@dataclass(frozen=True)
-class PastFailure:
-    """One earlier failure of the same job, oldest first in a history."""
-
-    failure_class: FailureClass
-    signature: str = ""
-    """What identifies "the same" error: for user code, the exception line."""
-
-
-@dataclass(frozen=True)
-class Decision:
-    action: RecoveryAction
-    reason: str
-
-
-def decide_recovery(
-    failure_class: FailureClass, signature: str, history: Sequence[PastFailure]
-) -> Decision:
-    """The action for this failure given the job's earlier failures. Pure.
-
-    The fail-fast rule: a user code error whose signature already appeared in the
-    history (so this is the second time) fails the job. A different user error resets
-    nothing but does not trip the rule either: each distinct bug gets one retry.
-    """
-    action = POLICY[failure_class]
-    if failure_class is _F.USER_CODE_ERROR:
-        seen = sum(
-            1 for p in history if p.failure_class is _F.USER_CODE_ERROR and p.signature == signature
-        )
-        if seen + 1 >= USER_ERROR_FAIL_FAST_AFTER:
-            return Decision(
-                _A.FAIL_FAST,
-                f"same user code error {seen + 1} times: {signature or '(no message)'}",
-            )
-        return Decision(_A.RESTART_THEN_FAIL_FAST, "first occurrence of this user code error")
-    return Decision(action, f"{failure_class} -> {action}")

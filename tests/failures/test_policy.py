@@ -1,14 +1,13 @@
+"""The remedy table (``policy.POLICY``) and the history rules that can end a job
+instead (``remedy.refuse_to_continue``), as ``decide()`` uses them."""
+
 from __future__ import annotations
 
 import pytest
 
 from orchestrator.domain.failures import FailureClass
-from orchestrator.domain.policy import (
-    POLICY,
-    PastFailure,
-    RecoveryAction,
-    decide_recovery,
-)
+from orchestrator.domain.policy import POLICY, RecoveryAction
+from orchestrator.domain.remedy import PastIncident, refuse_to_continue, remedy_for
 
 F = FailureClass
 A = RecoveryAction
@@ -30,40 +29,45 @@ def test_every_failure_class_has_a_policy() -> None:
         (F.GPU_HARDWARE, A.DRAIN_NODE),
         (F.HEALTH_CHECK_FAILED, A.DRAIN_NODE),
         (F.CAPACITY_UNAVAILABLE, A.WAIT_RETRY_ELSEWHERE),
+        (F.USER_CODE_ERROR, A.RESTART_THEN_FAIL_FAST),
     ],
     ids=lambda v: str(v),
 )
-def test_issue_table_is_what_decide_returns(cls: FailureClass, action: RecoveryAction) -> None:
-    assert decide_recovery(cls, "", []).action is action
+def test_issue_table_is_what_decide_applies(cls: FailureClass, action: RecoveryAction) -> None:
+    assert remedy_for(cls) is action
 
 
-def test_first_user_code_error_gets_one_retry() -> None:
-    d = decide_recovery(F.USER_CODE_ERROR, "KeyError: 'input_ids'", [])
-    assert d.action is A.RESTART_THEN_FAIL_FAST
+def refused(cls: FailureClass, signature: str | None, past: list[PastIncident]) -> str | None:
+    """``refuse_to_continue`` with the spec's defaults (2 identical user errors)."""
+    return refuse_to_continue(
+        cls, signature, None, past, restarts_done=0, max_restarts=100,
+        max_same_user_error=2, max_same_anomaly=3, on_anomaly="rollback",
+    )  # fmt: skip
 
 
-def test_same_user_code_error_twice_fails_fast() -> None:
-    hist = [PastFailure(F.USER_CODE_ERROR, "KeyError: 'input_ids'")]
-    d = decide_recovery(F.USER_CODE_ERROR, "KeyError: 'input_ids'", hist)
-    assert d.action is A.FAIL_FAST
-    assert "KeyError" in d.reason
+def test_the_first_user_code_error_gets_its_retry() -> None:
+    assert refused(F.USER_CODE_ERROR, "KeyError: 'input_ids'", []) is None
+
+
+def test_the_same_user_code_error_twice_fails_naming_it() -> None:
+    past = [PastIncident(F.USER_CODE_ERROR, signature="KeyError: 'input_ids'")]
+    reason = refused(F.USER_CODE_ERROR, "KeyError: 'input_ids'", past)
+    assert reason == "the same user code error 2 times: KeyError: 'input_ids'"
 
 
 def test_a_different_user_code_error_is_not_the_same_twice() -> None:
-    hist = [PastFailure(F.USER_CODE_ERROR, "KeyError: 'input_ids'")]
-    d = decide_recovery(F.USER_CODE_ERROR, "ValueError: bad shape", hist)
-    assert d.action is A.RESTART_THEN_FAIL_FAST
+    past = [PastIncident(F.USER_CODE_ERROR, signature="KeyError: 'input_ids'")]
+    assert refused(F.USER_CODE_ERROR, "ValueError: bad shape", past) is None
 
 
 def test_other_failures_between_do_not_hide_the_repeat() -> None:
-    hist = [
-        PastFailure(F.USER_CODE_ERROR, "E"),
-        PastFailure(F.PREEMPTION_NOTICE),
-        PastFailure(F.NCCL_TIMEOUT),
+    past = [
+        PastIncident(F.USER_CODE_ERROR, signature="E"),
+        PastIncident(F.PREEMPTION_NOTICE),
+        PastIncident(F.NCCL_TIMEOUT),
     ]
-    assert decide_recovery(F.USER_CODE_ERROR, "E", hist).action is A.FAIL_FAST
+    assert refused(F.USER_CODE_ERROR, "E", past) is not None
 
 
 def test_repeated_preemptions_never_fail_fast() -> None:
-    hist = [PastFailure(F.PREEMPTION_NOTICE)] * 20
-    assert decide_recovery(F.PREEMPTION_NOTICE, "", hist).action is A.REPLACE_NODE_BLOCK_REGION
+    assert refused(F.PREEMPTION_NOTICE, None, [PastIncident(F.PREEMPTION_NOTICE)] * 20) is None
