@@ -73,8 +73,6 @@ STOP_GRACE_S = 5.0
 #: How long the long-poll for commands waits per request. Short enough that a service
 #: shutting down gracefully (which waits for in-flight requests) is not held long.
 COMMAND_WAIT_S = 10.0
-#: Notice kinds that warn without ending the VM: logged, not acted on.
-ADVISORY_NOTICES = frozenset({"rebalance"})
 #: How long the agent tries to deliver its last reports before it exits anyway.
 FINAL_FLUSH_S = 30.0
 #: Rank watcher period.
@@ -1105,8 +1103,12 @@ class Agent:
                 result = poller.poll()
             first = False
             if result.state == "notice" and result.notice is not None:
-                if result.notice.kind.value in ADVISORY_NOTICES:
-                    log.info("advisory notice %s (not acted on)", result.notice.kind.value)
+                if not result.notice.ends_vm:  # a warning (md.Notice.ends_vm): logged only
+                    log.info(
+                        "advisory notice %s %s (not acted on)",
+                        result.notice.kind.value,
+                        str(result.notice.raw)[:80],
+                    )
                 else:
                     self.on_notice(result.notice)
                     return

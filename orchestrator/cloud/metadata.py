@@ -56,7 +56,8 @@ class Provider(StrEnum):
 
 
 class NoticeKind(StrEnum):
-    """What is coming. Kinds other than ``rebalance``/``maintenance`` end the VM soon."""
+    """What is coming. Whether it ends the VM is :attr:`Notice.ends_vm` (the one answer:
+    the agent acts on those and only logs the rest)."""
 
     terminate = "terminate"  # AWS spot terminate, Azure Terminate
     stop = "stop"  # AWS spot stop
@@ -77,6 +78,20 @@ class Notice:
     """When the VM may go (UTC); None when the provider gives no time."""
     raw: Any
     """The payload as the endpoint returned it (parsed JSON or text)."""
+
+    @property
+    def ends_vm(self) -> bool:
+        """True when the VM goes (or stops) soon: the ranks save and stop. False for a
+        warning that leaves it running: AWS's rebalance recommendation (an early
+        warning, no interruption scheduled), GCP's ``MIGRATE_ON_HOST_MAINTENANCE`` (a
+        live migration; spot and GPU VMs get ``TERMINATE_ON_HOST_MAINTENANCE``, which
+        ends them), and Azure's ``Freeze`` (a pause of a few seconds, memory and open
+        files kept: a restart would cost far more than the pause)."""
+        if self.kind is NoticeKind.rebalance or self.kind is NoticeKind.freeze:
+            return False
+        if self.kind is NoticeKind.maintenance:
+            return self.raw != "MIGRATE_ON_HOST_MAINTENANCE"
+        return True
 
     def to_dict(self) -> dict[str, Any]:
         return {

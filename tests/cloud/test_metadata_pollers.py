@@ -198,3 +198,22 @@ def test_detect_provider_finds_nothing_on_a_dead_endpoint() -> None:
 def test_unknown_provider_name_is_refused() -> None:
     with pytest.raises(ValueError, match="oracle"):
         md.poller_for("oracle")
+
+
+@pytest.mark.parametrize(
+    "provider, kind, raw, ends",
+    [
+        ("aws", "terminate", {}, True),
+        ("aws", "stop", {}, True),
+        ("aws", "rebalance", {}, False),  # an early warning; nothing is scheduled yet
+        ("gcp", "preempt", "TRUE", True),
+        ("gcp", "maintenance", "TERMINATE_ON_HOST_MAINTENANCE", True),  # spot and GPU VMs
+        ("gcp", "maintenance", "MIGRATE_ON_HOST_MAINTENANCE", False),  # live migration
+        ("azure", "preempt", {}, True),
+        ("azure", "redeploy", {}, True),
+        ("azure", "freeze", {}, False),  # a pause of seconds, memory kept
+    ],
+)
+def test_a_notice_says_whether_the_vm_ends(provider: str, kind: str, raw: object, ends: bool):
+    notice = md.Notice(md.Provider(provider), md.NoticeKind(kind), None, raw)
+    assert notice.ends_vm is ends
