@@ -61,8 +61,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _nodes(tmp: Path, name: str, env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
-    """Two torchrun nodes x two ranks, each with a disk of its own."""
+def _nodes(
+    tmp: Path, name: str, env: dict[str, str], example: str = "hf_trainer", steps: int = MAX_STEPS
+) -> list[subprocess.Popen[bytes]]:
+    """Two torchrun nodes x two ranks running ``training.integrations.examples.<example>``
+    (per-device batch 2: a global batch of 8), each node with a disk of its own."""
     port = _free_port()
     procs = []
     for node in (0, 1):
@@ -80,8 +83,8 @@ def _nodes(tmp: Path, name: str, env: dict[str, str]) -> list[subprocess.Popen[b
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
             "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}",
-            "--max-restarts=0", "-m", "training.integrations.examples.hf_trainer",
-            "--output-dir", str(disk / "out"), "--max-steps", str(MAX_STEPS),
+            "--max-restarts=0", "-m", f"training.integrations.examples.{example}",
+            "--output-dir", str(disk / "out"), "--max-steps", str(steps),
             "--batch-size", "2",
         ]  # fmt: skip
         log = open(tmp / f"{name}-node{node}.log", "wb")  # noqa: SIM115

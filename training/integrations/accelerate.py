@@ -38,7 +38,15 @@ def batch_plan(per_device: int, accumulation: int = 1, **overrides: Any) -> Batc
     with (before ``Accelerator``): the job's global batch (else the script's own,
     per_device x accumulation x WORLD_SIZE) at the memory planner's micro-batch."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    return plan_knobs(RunConfig.from_env(**overrides), world, per_device, accumulation)
+    plan = plan_knobs(RunConfig.from_env(**overrides), world, per_device, accumulation)
+    if plan.micro_batch != per_device and os.environ.get("RANK", "0") == "0":
+        print(
+            f"skyresume: the DataLoader's batch_size {per_device} -> {plan.micro_batch}, "
+            f"{plan.grad_accum} micro-batches per step "
+            f"(global batch {plan.per_rank_batch * world} kept)",
+            flush=True,
+        )
+    return plan
 
 
 class _StepCounter:

@@ -174,11 +174,18 @@ class SkyresumeCallback(pl.Callback):
 def apply_knobs(trainer: Any, loader: Any, session: FrameworkRun) -> Any:
     """``accumulate_grad_batches`` and the loader's batch size from the planner's
     micro-batch, global batch kept. Returns the loader to train on."""
-    per_device = int(loader.batch_size)
-    plan = session.batch_plan(per_device, int(trainer.accumulate_grad_batches))
+    per_device, accumulation = int(loader.batch_size), int(trainer.accumulate_grad_batches)
+    plan = session.batch_plan(per_device, accumulation)
     trainer.accumulate_grad_batches = plan.grad_accum
     if plan.micro_batch == per_device:
         return loader
+    if session.rank == 0:
+        print(
+            f"skyresume: the loader's batch_size {per_device} -> {plan.micro_batch}, "
+            f"accumulate_grad_batches {accumulation} -> {plan.grad_accum} "
+            f"(global batch {plan.per_rank_batch * session.world_size} kept)",
+            flush=True,
+        )
     return type(loader)(
         loader.dataset,
         batch_size=plan.micro_batch,
