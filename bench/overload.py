@@ -44,6 +44,7 @@ import random
 import secrets
 import sys
 import tempfile
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -317,6 +318,32 @@ def api_load(base: str, paths: list[str], start: float, end: float, conc: int, q
     q.put(asyncio.run(run()))
 
 
+WATCHED = (
+    "skyresume_event_loop_lag_seconds",
+    "skyresume_accept_queue",
+    "skyresume_heartbeats_in_flight",
+    "skyresume_heartbeats_unflushed_seconds",
+)
+
+
+def watch_metrics(base: str, end: float, peaks: dict[str, float]) -> None:
+    """Scrape ``/metrics`` every 2 s until ``end``: the peak of each back-pressure
+    signal, and the refusals by signal at the last scrape (a thread of the harness)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    while time.time() < end:
+        with contextlib.suppress(httpx.HTTPError):
+            text = httpx.get(f"{base}/metrics", headers=headers, timeout=10.0).text
+            for line in text.splitlines():
+                name, _, value = line.rpartition(" ")
+                if name in WATCHED:
+                    peaks[name] = max(peaks.get(name, 0.0), float(value))
+                elif name.startswith("skyresume_heartbeats_refused_total{"):
+                    peaks[name.removeprefix("skyresume_heartbeats_")] = float(value)
+        time.sleep(2.0)
+
+
 def p99_ms(xs: list[float]) -> float | None:
     xs = sorted(xs)
     return round(1000 * xs[int(len(xs) * 0.99)], 1) if xs else None
@@ -435,6 +462,11 @@ def one_run(cores: float | None, mode: str, cfg: dict[str, Any], work: Path) -> 
             ]
             for g in gens:
                 g.start()
+            peaks: dict[str, float] = {}
+            watcher = threading.Thread(
+                target=watch_metrics, args=(base, t0 + cfg["duration"], peaks), daemon=True
+            )
+            watcher.start()
             cpu0 = proc_cpu_s(proc.pid) + proc_cpu_s(rec.pid)
             thr0 = quota.throttled_s()
             results = [q.get() for _ in gens]
@@ -502,6 +534,7 @@ def one_run(cores: float | None, mode: str, cfg: dict[str, Any], work: Path) -> 
         "throttled_s": round(thr1 - thr0, 1) if thr0 is not None and thr1 is not None else None,
         "period_s": period,
         **isolation,
+        "peaks": {k.removeprefix("skyresume_"): round(v, 2) for k, v in peaks.items()},
         "examples": [e["message"] for e in false_lost[:2]],
     }
 

@@ -341,6 +341,12 @@ class PressureMetrics:
         yield GaugeMetricFamily(
             "skyresume_heartbeats_in_flight", "Heartbeats admitted, not answered yet", p.in_flight
         )
+        if p.unflushed_s is not None:
+            yield GaugeMetricFamily(
+                "skyresume_heartbeats_unflushed_seconds",
+                "How long accepted beats have waited for their batched commit",
+                p.unflushed_s(),
+            )
         yield GaugeMetricFamily(
             "skyresume_heartbeat_interval_seconds", "The period agents are told", p.interval_s
         )
