@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -146,6 +147,15 @@ def run_reconciler(url: str, log_path: str) -> None:
             raise AttributeError(f"the bench's launcher cannot {name}")
 
     rec = Reconciler(make_sessionmaker(make_engine(url)), Blind(), "http://unused")  # type: ignore[arg-type]
+    tick = rec.tick
+    ticks = open(log_path + ".ticks", "a", buffering=1)  # noqa: SIM115 (the process's life)
+
+    def timed_tick() -> None:  # each tick's start and length, for the harness
+        start = time.time()
+        tick()
+        ticks.write(f"{start:.3f} {time.time() - start:.3f}\n")
+
+    rec.tick = timed_tick  # type: ignore[method-assign]
     rec.start()
     while True:
         time.sleep(3600)
@@ -484,6 +494,17 @@ def one_run(cores: float | None, mode: str, cfg: dict[str, Any], work: Path) -> 
                 rec.join()
             stop(proc)
     evs = events(url)
+    ticks = (
+        [
+            tuple(map(float, line.split()))
+            for line in (home / "reconciler.log.ticks").read_text().splitlines()
+            if line.strip()
+        ]
+        if (home / "reconciler.log.ticks").exists()
+        else []
+    )
+    during = [(s, d) for s, d in ticks if t0 <= s <= t0 + cfg["duration"]]
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(during)]
     small, killed = jobs[1][0], f"{jobs[1][0]}-a1-node0"
     killed_key = f"{small}/node0"
     last_ok = {k: v for r in results for k, v in r["last_ok"].items()}
@@ -534,6 +555,11 @@ def one_run(cores: float | None, mode: str, cfg: dict[str, Any], work: Path) -> 
         "throttled_s": round(thr1 - thr0, 1) if thr0 is not None and thr1 is not None else None,
         "period_s": period,
         **isolation,
+        "reconciler_ticks": len(during),
+        "tick_gap_max_s": round(max(gaps), 1) if gaps else None,
+        "tick_s_median": round(sorted(d for _, d in during)[len(during) // 2], 2)
+        if during
+        else None,
         "peaks": {k.removeprefix("skyresume_"): round(v, 2) for k, v in peaks.items()},
         "examples": [e["message"] for e in false_lost[:2]],
     }

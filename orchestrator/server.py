@@ -290,6 +290,7 @@ def run_service(service: Service) -> None:
         # Beats are refused (503 + Retry-After) while the loop lags or connections wait
         # in these sockets' accept queues (api/backpressure.py).
         service.app.state.pressure.arm(sockets=service.sockets)
+        service.cleanup.callback(service.app.state.pressure.disarm)
         # Alerts and the run's time series (orchestrator/alerts/loop.py).
         service.app.state.operator.start()
         service.cleanup.callback(service.app.state.operator.stop)

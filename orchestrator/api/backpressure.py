@@ -13,6 +13,9 @@ The service is **behind** when any of these says so (:meth:`Pressure.behind`):
   socket: ``tcpi_unacked`` is the connections the kernel holds that the service has
   not accepted yet). Measured at 2,048 nodes under a CFS quota (BENCHMARKS.md): the
   loop's lag stayed under 0.5 s while beats waited 10 s there, unseen by the loop.
+  It is read by a thread of its own every ``ACCEPT_PROBE_S`` and its peak over the
+  last ``ACCEPT_PEAK_S`` is used: asyncio accepts every waiting connection at once
+  when the loop gets to them, so a queue read as a beat arrives is always short.
 * Heartbeats **in flight** inside the app (admitted, not yet answered): the
   heartbeat path's own backlog.
 * The **flush** (``LiveHeartbeats.unflushed_s``): beats waiting longer than
@@ -47,6 +50,7 @@ import json
 import math
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
@@ -70,8 +74,10 @@ MAX_ACCEPT_QUEUE = 64
 MAX_IN_FLIGHT = 128
 #: Seconds beats may wait for their batched commit (flushes run every second).
 MAX_UNFLUSHED_S = 5.0
-#: How long one reading of the accept queue is used (one getsockopt per socket).
-ACCEPT_PROBE_S = 0.05
+#: How often the probe thread reads the accept queue (one getsockopt per socket).
+ACCEPT_PROBE_S = 0.02
+#: The accept queue's peak over this long is what counts.
+ACCEPT_PEAK_S = 1.0
 #: A node heard within this share of its period is refused while the service is
 #: behind; one heard longer ago is admitted (it needs the beat).
 NEEDS_BEAT_SHARE = 0.5
@@ -174,7 +180,9 @@ class Pressure:
         }
         """Refused beats by what said the service was behind (``/metrics``)."""
         self._queue: int | None = None
-        self._queue_at = -1.0
+        self._peaks: list[tuple[float, int]] = []
+        self._probe: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def arm(
         self,
@@ -191,14 +199,43 @@ class Pressure:
         self.sockets = tuple(sockets)
         self.max_accept_queue = max_accept_queue
         self.max_in_flight = max_in_flight
+        if self.sockets and self._probe is None:
+            self._stop.clear()
+            self._probe = threading.Thread(
+                target=self._watch_accept_queue, name="accept-queue-probe", daemon=True
+            )
+            self._probe.start()
+
+    def disarm(self) -> None:
+        """Stop the accept-queue probe (``serve``'s shutdown; tests)."""
+        self._stop.set()
+        if self._probe is not None:
+            self._probe.join()
+            self._probe = None
+
+    def _watch_accept_queue(self) -> None:
+        while not self._stop.wait(ACCEPT_PROBE_S):
+            self.note_accept_queue(accept_queue(self.sockets))
+
+    def note_accept_queue(self, queue: int | None, now: float | None = None) -> None:
+        """One reading of the accept queue (the probe's; tests call it)."""
+        now = time.monotonic() if now is None else now
+        self._queue = queue
+        if queue is None:
+            return
+        peaks = [(at, q) for at, q in self._peaks if now - at <= ACCEPT_PEAK_S]
+        peaks.append((now, queue))
+        self._peaks = peaks  # one writer (the probe); readers take the list whole
 
     @property
     def accept_queue(self) -> int | None:
-        """The watched sockets' accept queue (read at most every ``ACCEPT_PROBE_S``)."""
+        """The watched sockets' accept queue at its peak over the last
+        ``ACCEPT_PEAK_S``; None when it cannot be read (or none is watched)."""
+        if self._queue is None:
+            return None
         now = time.monotonic()
-        if self.sockets and now - self._queue_at > ACCEPT_PROBE_S:
-            self._queue, self._queue_at = accept_queue(self.sockets), now
-        return self._queue
+        recent = [q for at, q in self._peaks if now - at <= ACCEPT_PEAK_S]
+        return max(recent, default=self._queue)
 
     def behind(self) -> tuple[str, str] | None:
         """(signal, why) when the service is behind, None when it keeps up or is not
