@@ -301,8 +301,10 @@ class Settings(BaseSettings):
     @field_validator("local_provider")
     @classmethod
     def _provider(cls, v: str) -> str:
-        if v not in ("aws", "gcp", "azure"):
-            raise ValueError(f"local_provider must be aws, gcp or azure, got {v!r}")
+        from orchestrator.cloud.metadata import PROVIDERS
+
+        if v not in PROVIDERS:
+            raise ValueError(f"local_provider must be one of {', '.join(PROVIDERS)}, got {v!r}")
         return v
 
     @field_validator("port")

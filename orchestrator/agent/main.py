@@ -62,6 +62,7 @@ from orchestrator.agent.client import (
     told_interval,
 )
 from orchestrator.agent.progress import ProgressBoard, ProgressListener, finite
+from orchestrator.cloud import metadata as md
 from orchestrator.contract import AGENT_PROTOCOL, CommandType, Env, ExitCode, FaultKind, ReportKind
 from orchestrator.package import installed_build_id
 
@@ -296,7 +297,7 @@ def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> Age
     p.add_argument("--nproc-per-node", type=int)
     p.add_argument("--master-addr")
     p.add_argument("--master-port", type=int)
-    p.add_argument("--provider", choices=["aws", "gcp", "azure", "auto", "none"])
+    p.add_argument("--provider", choices=[*md.PROVIDERS, "auto", "none"])
     p.add_argument(
         "--metadata-url", help="base URL of the metadata endpoint (default: the real one)"
     )
@@ -432,9 +433,10 @@ def parse_args(argv: list[str], environ: Mapping[str, str] | None = None) -> Age
         log_dir = named + "/logs" if named else str(Path.home() / "skyresume" / "logs")
     master_port = pick(a.master_port, NodeEnv.MASTER_PORT, _integer, 29500)
     provider = pick(a.provider, NodeEnv.PROVIDER, _text, "none")
-    if provider not in ("aws", "gcp", "azure", "auto", "none"):
+    if provider not in (*md.PROVIDERS, "auto", "none"):
         raise UsageError(
-            f"${NodeEnv.PROVIDER} must be one of aws, gcp, azure, auto, none; got {provider!r}"
+            f"${NodeEnv.PROVIDER} must be one of {', '.join(md.PROVIDERS)}, auto, none; "
+            f"got {provider!r}"
         )
     metadata_url = pick(a.metadata_url, NodeEnv.METADATA_URL, _text)
     service_url = pick(a.service_url, Env.SERVICE_URL, _text)
@@ -1081,7 +1083,6 @@ class Agent:
     # --- metadata ----------------------------------------------------------------------
 
     def _metadata_loop(self) -> None:
-        from orchestrator.cloud import metadata as md
 
         provider = self.cfg.provider
         if provider == "auto":

@@ -12,6 +12,7 @@ from sqlalchemy import select
 
 from orchestrator.api.deps import OperatorDep, SessionDep
 from orchestrator.api.strict import StrictQueryRoute
+from orchestrator.cloud.metadata import Provider
 from orchestrator.contract import AttemptState, CommandType, FaultKind
 from orchestrator.domain.spec import INT32_MAX, refuse_unstorable
 from orchestrator.domain.status import JobStatus
@@ -142,7 +143,7 @@ class ChaosIn(BaseModel):
     rank: int | None = Field(
         default=None, ge=0, le=INT32_MAX, description="global rank (hang/slow)"
     )
-    provider: Literal["aws", "gcp", "azure"] | None = None
+    provider: Provider | None = None
     in_seconds: float = Field(default=30.0, ge=0, le=3600)
     """preempt: how far ahead the notice announces the termination."""
     duty: float = Field(default=0.5, gt=0, lt=1)

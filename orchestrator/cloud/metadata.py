@@ -50,9 +50,16 @@ AZURE_EVENT_TYPES = frozenset({"Preempt", "Terminate", "Reboot", "Redeploy", "Fr
 
 
 class Provider(StrEnum):
+    """The clouds whose metadata formats are read: the one list of them (settings, the
+    agent's flags, the simulator, chaos and the local launcher take it from here)."""
+
     aws = "aws"
     gcp = "gcp"
     azure = "azure"
+
+
+#: :class:`Provider`'s values, in order, for flags and messages.
+PROVIDERS: tuple[str, ...] = tuple(p.value for p in Provider)
 
 
 class NoticeKind(StrEnum):
@@ -391,7 +398,7 @@ def poller_for(provider: Provider | str, endpoint: str | None = None, **kw: Any)
     try:
         p = Provider(provider)
     except ValueError:
-        raise ValueError(f"unknown provider {provider!r} (use aws, gcp or azure)") from None
+        raise ValueError(f"unknown provider {provider!r} (use {', '.join(PROVIDERS)})") from None
     url = endpoint or DEFAULT_ENDPOINTS[p]
     if p is Provider.aws:
         return AwsPoller(url, **kw)

@@ -42,6 +42,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from orchestrator.cloud import metadata as md
+from orchestrator.cloud.metadata import PROVIDERS
 
 _KINDS = {
     "aws": {"terminate", "stop", "hibernate", "rebalance"},
@@ -83,7 +84,7 @@ class MetadataSimulator:
         self,
         host: str = "127.0.0.1",
         port: int = 0,
-        providers: tuple[str, ...] = ("aws", "gcp", "azure"),
+        providers: tuple[str, ...] = PROVIDERS,
     ) -> None:
         #: Formats served; a real cloud serves one, which is what detection relies on.
         self.providers = frozenset(providers)
@@ -136,7 +137,7 @@ class MetadataSimulator:
 
     def schedule_notice(self, node: str, provider: str, kind: str, in_seconds: float) -> None:
         if provider not in _KINDS:
-            raise ValueError(f"provider must be one of aws, gcp, azure, got {provider!r}")
+            raise ValueError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
         if kind not in _KINDS[provider]:
             raise ValueError(f"kind for {provider} must be one of {sorted(_KINDS[provider])}")
         if not isinstance(in_seconds, int | float) or in_seconds < 0:
@@ -607,7 +608,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument(
-        "--providers", default="aws,gcp,azure", help="formats to serve, comma-separated"
+        "--providers", default=",".join(PROVIDERS), help="formats to serve, comma-separated"
     )
     args = parser.parse_args(argv)
     providers = tuple(p.strip() for p in args.providers.split(",") if p.strip())

@@ -20,6 +20,9 @@ checkpoints_app = typer.Typer(help="Checkpoints in object storage.", no_args_is_
 
 
 class ProviderChoice(StrEnum):
+    """``metadata.Provider``'s members, or auto to detect it (a test holds the two equal:
+    typer needs a class of its own)."""
+
     aws = "aws"
     gcp = "gcp"
     azure = "azure"

@@ -43,6 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from orchestrator.cloud.metadata import PROVIDERS
 from orchestrator.cloud.simulator import MetadataSimulator
 from orchestrator.domain.planner import Candidate
 from orchestrator.domain.reconcile import LauncherAbilities
@@ -73,8 +74,6 @@ STORAGE_ENV = (
     "AWS_DEFAULT_REGION",
     "STORAGE_EMULATOR_HOST",
 )
-
-PROVIDERS = ("aws", "gcp", "azure")
 
 
 def node_id_for(job_id: str, attempt: int, index: int) -> str:

@@ -217,3 +217,9 @@ def test_unknown_provider_name_is_refused() -> None:
 def test_a_notice_says_whether_the_vm_ends(provider: str, kind: str, raw: object, ends: bool):
     notice = md.Notice(md.Provider(provider), md.NoticeKind(kind), None, raw)
     assert notice.ends_vm is ends
+
+
+def test_the_cli_offers_every_provider_the_pollers_read_and_auto():
+    from orchestrator.commands.cloud import ProviderChoice
+
+    assert [c.value for c in ProviderChoice] == [*md.PROVIDERS, "auto"]
