@@ -53,7 +53,7 @@ EXAMPLES = {
     "accelerate": ("accelerate_loop", "accelerate"),
     "lightning": ("lightning_fit", "lightning"),
 }
-MAX_STEPS = 60
+MAX_STEPS = 100
 PACE_S = 0.25
 #: The final weights may be this many times further from the uninterrupted run's than
 #: those of a run in micro-batches of 1 throughout (the split's own effect, measured in

@@ -33,6 +33,7 @@ What ``fit`` does, and why:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -202,6 +203,16 @@ def fit(trainer: Any, model: Any, train_dataloaders: Any = None, **kwargs: Any) 
     A stop exits 75, a NaN 76, an unusable or disputed checkpoint 78/77 (RunExit)."""
     if "ckpt_path" in kwargs:
         raise TypeError("ckpt_path is skyresume's to choose (SKYRESUME_RUN_*)")
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if int(trainer.world_size) != launched:
+        # Found on 2 nodes x 2 ranks: a Trainer left at devices=1, num_nodes=1 under
+        # torchrun trains each process alone (four runs, each world size 1, racing
+        # for the same files) instead of failing.
+        raise ValueError(
+            f"the Trainer is set for {trainer.world_size} process(es) (devices x num_nodes) "
+            f"but torchrun started {launched}: pass devices=LOCAL_WORLD_SIZE and "
+            "num_nodes=WORLD_SIZE // LOCAL_WORLD_SIZE"
+        )
     session = FrameworkRun("lightning")
     if train_dataloaders is not None:
         train_dataloaders = apply_knobs(trainer, train_dataloaders, session)

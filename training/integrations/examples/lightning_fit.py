@@ -1,6 +1,7 @@
 """A Lightning script under skyresume: three lines marked ``# skyresume`` (torchrun or python)."""
 
 import argparse
+import os
 
 import lightning.pytorch as pl
 import torch
@@ -37,9 +38,11 @@ def main() -> None:
     ids = torch.randint(0, 128, (256, 16), generator=torch.Generator().manual_seed(1234))
     data_rng = torch.Generator().manual_seed(0)  # the shuffle draws nothing from the global RNG
     loader = ResumableDataLoader(ids, a.batch_size, shuffle=True, generator=data_rng)  # skyresume
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # under torchrun: its processes
     trainer = pl.Trainer(
         max_steps=a.max_steps, default_root_dir=a.output_dir, gradient_clip_val=1.0,
         enable_checkpointing=False, logger=False, enable_progress_bar=False,
+        devices=per_node, num_nodes=int(os.environ.get("WORLD_SIZE", "1")) // per_node,
     )  # fmt: skip
     fit(trainer, model, loader)  # skyresume: was trainer.fit(model, loader)
     trainer.save_checkpoint(f"{a.output_dir}/final.ckpt")
