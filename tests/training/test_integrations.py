@@ -211,3 +211,15 @@ def test_accelerate_batch_plan_keeps_the_global_batch_before_the_accelerator(mon
     plan = batch_plan(2)
     assert (plan.micro_batch, plan.grad_accum) == (1, 2)
     assert plan.micro_batch * plan.grad_accum * 4 == 8
+
+
+def test_lightning_refuses_a_trainer_that_would_train_each_torchrun_process_alone(monkeypatch):
+    pytest.importorskip("lightning")
+    import lightning.pytorch as pl
+
+    from training.integrations.lightning import fit
+
+    monkeypatch.setenv("WORLD_SIZE", "4")  # what torchrun sets on 2 nodes x 2
+    trainer = pl.Trainer(logger=False, enable_progress_bar=False)  # devices=1, num_nodes=1
+    with pytest.raises(ValueError, match="torchrun started 4"):
+        fit(trainer, pl.LightningModule())
