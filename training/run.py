@@ -716,20 +716,7 @@ class Run:
                     raise  # a peer died during the load: the checkpoint is not at fault
                 self._exit(ExitCode.CHECKPOINT_INVALID, f"{step_dir}: could not load: {e}")
             digest = chosen[1]
-        try:
-            agree_on_resume(
-                step if digest else None, digest, expected_step=self.config.expected_step
-            )
-        except ResumeMismatch as e:
-            self._exit(ExitCode.RESUME_MISMATCH, str(e))
-        self.step = step
-        self._last_saved = step if digest else None
-        self.resumed_digest = digest
-        self._restored = True
-        # With warm regroup the generation says which group resumed (every rank of it
-        # must say the same step); without, the datagram is as it always was.
-        generation = {"generation": self.generation} if self.warm_regroup else {}
-        self.reporter.send("resumed", step=step, manifest_digest=digest, **generation)
+        self.confirm_resumed(step, digest)
         if digest and self.rank == 0:
             print(f"resumed from step {step} ({paths[chosen]})", file=sys.stderr)  # type: ignore[index]
         return step
@@ -1507,7 +1494,10 @@ class Run:
         self._last_saved = step if digest else None
         self.resumed_digest = digest
         self._restored = True
-        self.reporter.send("resumed", step=step, manifest_digest=digest)
+        # With warm regroup the generation says which group resumed (every rank of it
+        # must say the same step); without, the datagram is as it always was.
+        generation = {"generation": self.generation} if self.warm_regroup else {}
+        self.reporter.send("resumed", step=step, manifest_digest=digest, **generation)
 
     def note_saved(self, step: int) -> None:
         """A save of ``step`` was committed outside Run (the framework's): none is due
