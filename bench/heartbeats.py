@@ -425,7 +425,7 @@ def breakdown(rounds: int = 7, requests: int = 500) -> dict[str, float]:
     from starlette.middleware.base import BaseHTTPMiddleware
 
     from orchestrator import __version__
-    from orchestrator.api.app import create_app
+    from orchestrator.app import create_app
     from orchestrator.contract import AGENT_PROTOCOL
     from orchestrator.settings import Settings
 

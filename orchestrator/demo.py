@@ -40,7 +40,7 @@ from typing import Any
 
 from rich.console import Console
 
-from orchestrator.commands.common import incident_table
+from orchestrator.incident_report import incident_table
 
 # Wide enough for the incident table even when stderr is not a terminal.
 console = Console(stderr=True, width=max(Console(stderr=True).width, 120))

@@ -33,7 +33,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from orchestrator.commands.common import incident_table
 from orchestrator.demo import (
     DemoError,
     DemoService,
@@ -48,6 +47,7 @@ from orchestrator.demo import (
     wait_for,
     wind_down,
 )
+from orchestrator.incident_report import incident_table
 
 #: Seconds every local launch provisions before its setup runs (the first one too).
 #: The standby replacement takes this plus its setup to register, and the survivors

@@ -469,8 +469,8 @@ def run_demo(home: Path | None = None, steps: int = 150) -> int:
     table; 0 only when the job succeeded, the resume was validated and no step lost."""
     import tempfile
 
-    from orchestrator.commands.common import incident_table
     from orchestrator.demo import console
+    from orchestrator.incident_report import incident_table
 
     if os.geteuid() != 0:
         console.print("[red]demo failed:[/red] the emulated AWS's hosts need root")

@@ -195,8 +195,8 @@ def bind_settings(settings: Settings) -> Settings:
 def build_service(settings: Settings) -> Service:
     """Migrate the embedded database (when the settings say so), build the app and,
     when the reconciler is on, attach it with its launcher (not started)."""
-    from orchestrator.api.app import create_app
     from orchestrator.api.auth import ensure_local_token
+    from orchestrator.app import create_app
     from orchestrator.store import db
 
     check_tls(settings)

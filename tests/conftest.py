@@ -75,7 +75,7 @@ def settings(tmp_path: Path, db_url: str):  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def app(settings):  # type: ignore[no-untyped-def]
-    from orchestrator.api.app import create_app
+    from orchestrator.app import create_app
 
     application = create_app(settings)
     yield application

@@ -215,7 +215,7 @@ def module_client(request: Any, tmp_path_factory: Any, name: str) -> Iterator[An
     more than most claims, so such a module's tests make their own jobs."""
     from fastapi.testclient import TestClient
 
-    from orchestrator.api.app import create_app
+    from orchestrator.app import create_app
     from orchestrator.settings import Settings
     from orchestrator.store import db
 

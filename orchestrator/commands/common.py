@@ -1,10 +1,12 @@
 """What every CLI command shares: output format, consoles, errors, the REST client.
 
-This is the one module that ``orchestrator.cli``, the command modules in
-``orchestrator.commands`` and ``orchestrator.demo`` import helpers from. It imports
-nothing of theirs, so the import graph stays a DAG (cli -> commands.* -> common): a
-command module that reached back into ``orchestrator.cli`` would import the whole
-Typer app, and every other command module with it, before its own code ran.
+This is the one module that ``orchestrator.cli`` and the command modules in
+``orchestrator.commands`` import helpers from. It imports nothing of theirs, so the
+import graph stays a DAG (cli -> commands.* -> common): a command module that
+reached back into ``orchestrator.cli`` would import the whole Typer app, and every
+other command module with it, before its own code ran. The incident table that the
+demos print too lives below both, in ``orchestrator.incident_report``: the
+``demo`` command runs the demos, so a demo importing this package made a circle.
 
 Heavy modules (httpx, pydantic, SQLAlchemy, the API's auth) are imported inside the
 functions that need them, so ``skyresume --help`` starts fast.
@@ -21,8 +23,6 @@ import typer
 from rich.console import Console
 
 if TYPE_CHECKING:
-    from rich.table import Table
-
     from orchestrator.settings import Settings
 
 #: Characters shown by name instead of sent to the terminal: C0/C1 controls (ESC
@@ -183,54 +183,6 @@ def redact_url(url: str) -> str:
         return make_url(url).render_as_string(hide_password=True)
     except Exception:
         return "<unparseable URL>"
-
-
-def incident_table(items: list[dict[str, Any]]) -> Table:
-    """The incidents of ``GET /v1/jobs/{id}/incidents``: class, remedy, node, steps lost, MTTR
-    and seconds per protocol step (``skyresume incidents`` and the demo print it)."""
-    from rich.table import Table
-
-    from orchestrator.domain.protocol import ProtocolStep
-
-    short = {"confirm_checkpoint": "confirm", "select_replacement": "select"}
-    cols = [short.get(s.value, s.value) for s in ProtocolStep]
-    t = Table(
-        "#",
-        "CLASS",
-        "REMEDY",
-        "NODE",
-        "LOST",
-        "MTTR s",
-        *cols,
-        title="incidents (seconds per protocol step)",
-    )
-    for inc in items:
-        secs = {s["step"]: s["seconds"] for s in inc["steps"]}
-        t.add_row(
-            str(inc["id"]),
-            inc["failure_class"] or "",
-            inc.get("remedy") or "",
-            (inc.get("node_id") or "").rsplit("-", 1)[-1],
-            "" if inc["steps_lost"] is None else str(inc["steps_lost"]),
-            "" if inc["mttr_s"] is None else f"{inc['mttr_s']:.1f}",
-            *("" if secs.get(s.value) is None else f"{secs[s.value]:.1f}" for s in ProtocolStep),
-        )
-    return t
-
-
-def incident_evidence(items: list[dict[str, Any]]) -> list[str]:
-    """Each incident's steps, one line each with the detail the step's evidence gave
-    (the nodes' exit reports, the ranks' resume reports, the store's listing): what
-    ``skyresume incidents`` prints under its table, so no claim is in the JSON only."""
-    lines = []
-    for inc in items:
-        lines.append(
-            f"incident {inc['id']} ({inc['failure_class'] or 'unknown'}): {inc['message']}"
-        )
-        for s in inc["steps"]:
-            if s.get("detail"):
-                lines.append(f"  {s['step']} [{s.get('outcome') or 'running'}]: {s['detail']}")
-    return lines
 
 
 def attempt_progress(attempt: dict[str, Any]) -> str:

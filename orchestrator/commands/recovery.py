@@ -20,10 +20,9 @@ from orchestrator.commands.common import (
     OutputOpt,
     attempt_progress,
     console,
-    incident_evidence,
-    incident_table,
     print_json,
 )
+from orchestrator.incident_report import incident_evidence, incident_table
 
 chaos_app = typer.Typer(help="Inject failures into a job on the local launcher.")
 

@@ -13,7 +13,7 @@ RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "skyresu
 def test_every_rule_expression_names_a_metric_the_service_exports(tmp_path):
     from fastapi.testclient import TestClient
 
-    from orchestrator.api.app import create_app
+    from orchestrator.app import create_app
     from orchestrator.settings import Settings
     from orchestrator.store import db
 

@@ -92,7 +92,7 @@ def test_another_build_of_the_same_version_is_accepted(client, job):
 def test_package_names_a_hash_pinned_wheel_under_the_public_url(tmp_path, db_url):
     from fastapi.testclient import TestClient
 
-    from orchestrator.api.app import create_app
+    from orchestrator.app import create_app
     from orchestrator.settings import Settings
 
     settings = Settings(

@@ -175,7 +175,7 @@ def test_ops_endpoints(client):
 def test_readyz_says_unavailable_without_schema(tmp_path):
     from fastapi.testclient import TestClient
 
-    from orchestrator.api.app import create_app
+    from orchestrator.app import create_app
     from orchestrator.settings import Settings
 
     app = create_app(Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path}/empty.db"))

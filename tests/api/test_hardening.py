@@ -146,7 +146,7 @@ def test_a_login_posted_from_another_site_is_refused_and_sets_no_cookie(client, 
 def test_docs_are_off_by_default_and_hsts_is_sent_under_tls(client, tmp_path):
     from fastapi.testclient import TestClient
 
-    from orchestrator.api.app import create_app
+    from orchestrator.app import create_app
     from orchestrator.settings import Settings
 
     db_url = client.app.state.settings.database_url

@@ -218,7 +218,7 @@ def test_without_a_flusher_each_beat_is_written_through(client, job):
 @pytest.fixture
 def replica_b(app, settings) -> Iterator[TestClient]:
     """A second app (another replica) on the same database."""
-    from orchestrator.api.app import create_app
+    from orchestrator.app import create_app
 
     other = create_app(settings)
     with TestClient(other) as c:

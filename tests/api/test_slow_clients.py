@@ -32,7 +32,7 @@ IDLE = 500
 @pytest.fixture
 def plain(tmp_path):  # type: ignore[no-untyped-def]
     """An app on SQLite: the connection limits touch no store, one database is enough."""
-    from orchestrator.api.app import create_app
+    from orchestrator.app import create_app
     from orchestrator.settings import Settings
     from orchestrator.store import db
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orchestrator.commands.common import incident_evidence
+from orchestrator.incident_report import incident_evidence
 
 
 def test_each_step_s_evidence_is_printed_not_only_in_the_json():

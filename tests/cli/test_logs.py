@@ -27,7 +27,7 @@ AGENT = {"agent_version": __version__, "agent_build": "source", "protocol": AGEN
 def sqlite_client(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """One SQLite app for the module: the routes' checks, not the store's SQL (the
     first test runs that on both backends)."""
-    from orchestrator.api.app import create_app
+    from orchestrator.app import create_app
     from orchestrator.settings import Settings
     from orchestrator.store import db
 

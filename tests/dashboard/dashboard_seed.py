@@ -78,7 +78,7 @@ def seed(app) -> dict[str, str]:
 
 
 def make_app(url: str, home: Path):  # type: ignore[no-untyped-def]
-    from orchestrator.api.app import create_app
+    from orchestrator.app import create_app
     from orchestrator.settings import Settings
     from orchestrator.store import db
 

@@ -36,7 +36,7 @@ def spec(**overrides: Any) -> dict[str, Any]:
 def make_client(tmp_path: Path, sky: Any):
     from fastapi.testclient import TestClient
 
-    from orchestrator.api.app import create_app
+    from orchestrator.app import create_app
     from orchestrator.settings import Settings
     from orchestrator.store import db
 

@@ -1,6 +1,11 @@
 """The FastAPI app factory. Nothing is built at import time: ``create_app(settings)``
 makes the engine, the session factory and the token for this app alone, so tests
-can run several apps against several databases in one process."""
+can run several apps against several databases in one process.
+
+It stands above both ``api`` (the REST routers) and ``dashboard`` (the pages), because
+it mounts both: the dashboard uses the API's request session and operator auth, so a
+factory inside ``api`` that imported the dashboard made the two packages a circle
+(``tests/test_import_layers.py`` fails on any package circle)."""
 
 from __future__ import annotations
 
