@@ -320,6 +320,10 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"=== Recovering\.\.\. ===",
         # Google Pipelines API (Cromwell on GCP): 10 and 14 are the preempted-VM codes.
         r"PAPI error code (10|14)\b",
+        # "jobs that fail due to Spot VM preemption": the cloud's reclaim of a spot VM,
+        # named as a noun. Never the bare "preemption" (a Slurm job's "DUE TO
+        # PREEMPTION" is the scheduler's stop, external_termination).
+        r"(spot|preemptible) (vm|instance|node|tpu)s? pre-?emption",
         r"\bVM \S+ stopped unexpectedly",
     )
     # GCE stops a preempted VM with an ACPI power-button press.
@@ -493,6 +497,15 @@ _RULES: tuple[_Rule, ...] = tuple(
         # An element-by-element check ("353th item is incorrect! (352.000000 !=
         # 704.000000)"), and nccl-tests' #wrong count told in words ("a lot of wrongs").
         r"(items?|elements?|entry|entries) (is|are) (incorrect|wrong)",
+        # A kernel's output checked against the host or a reference ("the cuda kernel
+        # results don't match cpu", "failing in CPU/GPU validation"). The check is
+        # named, so a certificate's "verification failed" is no result of ours.
+        r"(results?|outputs?)\b.{0,30}\b(do not|don't|doesn't|does not|did not|didn't) match\b"
+        r".{0,30}\b(cpu|gpu|cuda|reference|expected|host|golden)",
+        r"((cpu|gpu)(/(cpu|gpu))?|results?|outputs?|correctness) (validation|verification) "
+        r"(error|fail\w*)",
+        r"fail\w* (in |the )*((cpu|gpu)(/(cpu|gpu))?|results?|outputs?|correctness) "
+        r"(validation|verification)",
         r"(a lot of|lots of|many|occasional) [`'\"]?#?wrongs?",
         r"parity.{0,20}fail\w*",
         r"\bSDC\b|data corruption|bit ?flips?\b",
@@ -663,6 +676,8 @@ _RULES: tuple[_Rule, ...] = tuple(
         r"ranks have different \w+ operation counts",
         r"ranks have launched up to operation",
         r"for GPU \d+ which is below the threshold",
+        # "One gpu can slow down the whole training" (mlfoundations/open_clip#136).
+        r"(gpu|node|rank|worker|host|device)\b.{0,20}\bslows? down (the )?(whole|entire|rest|all)",
     )
     + _r(
         _F.HEALTH_CHECK_FAILED,

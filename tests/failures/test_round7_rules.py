@@ -66,8 +66,12 @@ def test_divergence_below_a_named_error_leaves_the_error_the_cause() -> None:
         # https://github.com/NVIDIA/nccl/issues/1199
         "i has run a allreduce test with this cmd on 2 node 8 x H800 which is with 8 x 400Gb "
         "NIC,but i got a lot of wrongs:",
+        # https://github.com/KnowingNothing/MatmulTutorial/issues/17
+        "Hi I noticed that the cuda kernel results don't match cpu in examples\\matmul\\this-sm80.",
+        # https://github.com/ORNL/HeCBench/issues/61
+        "Found that dxtc1-cuda is failing in CPU/GPU validation.",
     ],
-    ids=["one-node-differs", "item-incorrect", "lot-of-wrongs"],
+    ids=["one-node-differs", "item-incorrect", "lot-of-wrongs", "not-match-cpu", "validation"],
 )
 def test_wrong_values_told_in_words_are_silent_corruption(text: str) -> None:
     assert _cls(text) is F.SILENT_CORRUPTION
@@ -94,3 +98,31 @@ def test_a_tpu_that_cannot_be_opened_fails_the_node_check() -> None:
         "Device or resource busy: Device or resource busy; Couldn't open iommu group /dev/vfio/0"
     )
     assert _cls(line) is F.HEALTH_CHECK_FAILED
+
+
+def test_a_spot_vm_s_preemption_named_as_a_noun_is_a_notice() -> None:
+    # https://github.com/nextflow-io/nextflow/issues/4410
+    text = "GCP Batch jobs that fail due to Spot VM preemption lack an exit code"
+    assert _cls(text) is F.PREEMPTION_NOTICE
+
+
+def test_a_slurm_job_cancelled_due_to_preemption_stays_an_external_stop() -> None:
+    # The scheduler's preemption, not a cloud reclaim (the noun rule needs a spot VM).
+    line = (
+        "slurmstepd: error: *** JOB 4242 ON gpu-17 CANCELLED AT 2024-05-01T10:00:00 "
+        "DUE TO PREEMPTION ***"
+    )
+    assert _cls(line) is F.EXTERNAL_TERMINATION
+
+
+def test_one_gpu_that_slows_down_the_whole_training_is_a_slow_peer() -> None:
+    # https://github.com/mlfoundations/open_clip/issues/136
+    assert _cls("One gpu can slow down the whole training") is F.SLOW_PEER
+
+
+def test_a_certificate_that_fails_verification_is_no_wrong_result() -> None:
+    line = "ssl.SSLCertVerificationError: certificate verify failed: unable to get local issuer"
+    assert _cls(line) is not F.SILENT_CORRUPTION
+    assert _cls("SSL certificate verification failed for s3.amazonaws.com") is not (
+        F.SILENT_CORRUPTION
+    )
