@@ -1,6 +1,8 @@
 """Goodput from the store: one job's rows, turned into the pure accounting's input.
 
-``job_goodput(session, job_id)`` reads what the reconciler wrote and asks
+``job_goodput(session, job_id)`` reads what the reconciler wrote (its incidents
+through the one read model of incidents, ``store.incidents.incident_records``, that
+the API's incident list and the dashboard are built from too) and asks
 :func:`orchestrator.domain.goodput.account_goodput` for the split. The split is
 Meta's *effective training time* (Llama 3 report): the share of elapsed time spent
 on useful training. Every second of the job's wall time is exactly one of
@@ -17,12 +19,12 @@ on useful training. Every second of the job's wall time is exactly one of
 Where each figure comes from:
 
 * wall time: the job's submission to its terminal transition, or ``now``;
-* an **incident** is a failure event that has ``protocol_steps`` rows (the reconciler
-  records DETECT first); its steps give the MTTR breakdown. An unfinished step of a
-  live job runs until ``now``;
-* the attempt that **failed** is ``details.attempt`` (else the one started last
-  before the event); the attempt that **recovers** is the one whose ``incident_id``
-  names the incident;
+* an **incident** is a record of the read model that has ``protocol_steps`` rows (the
+  reconciler records DETECT first); its steps give the MTTR breakdown. An unfinished
+  step of a live job runs until ``now``;
+* the attempt that **failed** is the read model's: ``details.attempt`` (else the one
+  started last before the event); the attempt that **recovers** is the one whose
+  ``incident_id`` names the incident (the first with a resume step);
 * **steps lost** = the highest step any rank of the failed attempt reported (at
   detection, ``details.last_step``, or later, in its last heartbeats in
   ``nodes.progress``) minus the recovering attempt's ``resume_step``. Never below 0:
@@ -84,12 +86,24 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from orchestrator.domain.failures import PLANNED, FailureClass
-from orchestrator.domain.goodput import Incident, JobRun, StepTiming, account_goodput
+from orchestrator.domain.failures import FailureClass
+from orchestrator.domain.goodput import (
+    GoodputReport,
+    Incident,
+    IncidentCost,
+    JobRun,
+    StepTiming,
+    account_goodput,
+)
 from orchestrator.domain.protocol import ORDER, ProtocolStep, StepOutcome
 from orchestrator.domain.spec import JobSpec
 from orchestrator.domain.status import JobStatus
 from orchestrator.store import repo
+from orchestrator.store.incidents import IncidentRecord, failed_and_recovering, incident_records
+
+# Re-exported: store/work.py reads both from here, the dashboard is_planned.
+from orchestrator.store.incidents import is_planned as is_planned
+from orchestrator.store.incidents import rank_values as rank_values
 from orchestrator.store.models import Attempt, FailureEvent, Node, ProgressSample
 from orchestrator.store.models import ProtocolStep as ProtocolStepRow
 from orchestrator.store.shape import AttemptShape, attempt_shape, spare_releases
@@ -227,13 +241,48 @@ class JobGoodput:
 
 
 @dataclass(frozen=True)
-class _Gathered:
-    """What the store knows of one incident beyond the pure ``Incident``."""
+class _Clock:
+    """The report's time axis: seconds since submission, clamped into the wall span."""
 
-    event: FailureEvent
-    failed: Attempt | None
+    start: datetime
+    end: datetime
+    """The terminal transition, or the ``now`` the report is made at."""
+    live: bool
+
+    @property
+    def wall(self) -> float:
+        return (self.end - self.start).total_seconds()
+
+    def t(self, d: datetime | None) -> float:
+        """Seconds since submission, clamped into the wall span (None = the span's end)."""
+        if d is None:
+            return self.wall
+        return min(max((_utc(d) - self.start).total_seconds(), 0.0), self.wall)
+
+
+@dataclass(frozen=True)
+class _Attempts:
+    """A job's attempts in number order, with what their nodes say of each."""
+
+    rows: list[Attempt]
+    shapes: dict[int, AttemptShape]
+    step_seconds: dict[int, float | None]
+    """Slowest rank's ``step_time`` in the last heartbeats of each attempt's nodes."""
+
+    @property
+    def latest(self) -> Attempt | None:
+        return self.rows[-1] if self.rows else None
+
+
+@dataclass(frozen=True)
+class _Accounted:
+    """One incident as this report counts it: the pure accounting's ``Incident`` and
+    what the read model (:class:`IncidentRecord`) adds to it."""
+
+    record: IncidentRecord
+    incident: Incident
     recovering: Attempt | None
-    last_step: int | None
+    """The attempt that resumed from it (else the first that recovers from it)."""
     resume_step: int | None
     steps_lost: int | None
     ongoing: bool
@@ -247,39 +296,6 @@ def _sum_or_none(xs: Sequence[float | None]) -> float | None:
             return None
         total += x
     return total
-
-
-def _as_int(x: object) -> int | None:
-    # JSON from agents: a bool is an int in Python and never a step.
-    return x if isinstance(x, int) and not isinstance(x, bool) else None
-
-
-def rank_values(progress: object, key: str) -> list[float]:
-    """One number per rank from a node's last heartbeat (``nodes.progress``): its
-    ``key`` (``step``, ``step_time``...), skipping ranks that have not reported it."""
-    if not isinstance(progress, dict):
-        return []
-    ranks = progress.get("ranks")
-    if not isinstance(ranks, list):
-        return []
-    out = []
-    for r in ranks:
-        v = r.get(key) if isinstance(r, dict) else None
-        if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0:
-            out.append(float(v))
-    return out
-
-
-def failed_attempt_last_step(incident_details: object, rank_steps: list[float]) -> int | None:
-    """The last step the failed attempt trained: the highest any rank reported, at
-    detection (the incident's ``last_step``) or later in its nodes' last heartbeats
-    (``rank_steps``): ranks may finish a step or two after detection, since a stop
-    takes effect at the next step boundary."""
-    details = incident_details if isinstance(incident_details, dict) else {}
-    seen = [_as_int(details.get("last_step"))]
-    if rank_steps:
-        seen.append(int(max(rank_steps)))
-    return max((x for x in seen if x is not None), default=None)
 
 
 def _union_seconds(spans: Iterable[tuple[float, float]]) -> float:
@@ -345,38 +361,6 @@ def sampled_steps_per_second(session: Session, job_id: str) -> dict[int, float]:
     return {k: statistics.median(v) for k, v in per_rank.items() if v}
 
 
-def is_planned(failure_class: str | None) -> bool:
-    """A planned reshape (an elastic grow), which no count of failures includes."""
-    return failure_class in {str(c) for c in PLANNED}
-
-
-def _cause_id(event: FailureEvent) -> int | None:
-    return _as_int((event.details or {}).get("cause_event_id"))
-
-
-def _placement(
-    attempts: Sequence[Attempt], event: FailureEvent
-) -> tuple[Attempt | None, list[Attempt]]:
-    """(the attempt that failed, the attempts that recover from ``event``).
-
-    The reconciler names the failed attempt in ``details.attempt``; without it, the
-    failed one is the last started before the event and before any attempt that
-    recovers from it."""
-    recovering = [a for a in attempts if a.incident_id == event.id]
-    named = _as_int((event.details or {}).get("attempt"))
-    failed = next((a for a in attempts if a.number == named), None)
-    if failed is None:
-        occurred = _utc(event.occurred_at)
-        before = [
-            a
-            for a in attempts
-            if _utc(a.started_at) <= occurred
-            and (not recovering or a.number < recovering[0].number)
-        ]
-        failed = before[-1] if before else None
-    return failed, recovering
-
-
 def _training_start(
     a: Attempt, incident_end: dict[int, float], t: Callable[[datetime | None], float]
 ) -> float:
@@ -402,19 +386,7 @@ def job_wall_span(session: Session, job_id: str, now: datetime) -> tuple[datetim
     return start, max(start, end), live
 
 
-def job_goodput(session: Session, job_id: str, *, now: datetime | None = None) -> JobGoodput:
-    """The goodput report of one job; raises ``repo.NotFound`` for an unknown id."""
-    now = _utc(now or repo.utcnow())
-    job = repo.get_job(session, job_id)
-    wall_start, wall_end, live = job_wall_span(session, job_id, now)
-    wall = (wall_end - wall_start).total_seconds()
-
-    def t(d: datetime | None) -> float:
-        """Seconds since submission, clamped into the wall span (None = the span's end)."""
-        if d is None:
-            return wall
-        return min(max((_utc(d) - wall_start).total_seconds(), 0.0), wall)
-
+def _read_attempts(session: Session, job_id: str) -> _Attempts:
     attempts = list(
         session.scalars(select(Attempt).where(Attempt.job_id == job_id).order_by(Attempt.number))
     )
@@ -426,280 +398,352 @@ def job_goodput(session: Session, job_id: str, *, now: datetime | None = None) -
         )
         for a in attempts
     }
-    step_rows = list(
-        session.scalars(
-            select(ProtocolStepRow)
-            .where(ProtocolStepRow.job_id == job_id)
-            .order_by(ProtocolStepRow.started_at, ProtocolStepRow.id)
-        )
-    )
-
-    # Per attempt: measured step time (slowest rank) and last reported step.
     step_times: dict[int, list[float]] = defaultdict(list)
-    last_steps: dict[int, list[float]] = defaultdict(list)
     for n in nodes:
         step_times[n.attempt] += rank_values(n.progress, "step_time")
-        last_steps[n.attempt] += rank_values(n.progress, "step")
-    attempt_step_s = {a.number: max(step_times[a.number], default=None) for a in attempts}
+    slowest = {a.number: max(step_times[a.number], default=None) for a in attempts}
+    return _Attempts(attempts, shapes, slowest)
+
+
+def _job_step_seconds(attempts: _Attempts, clock: _Clock) -> float | None:
+    """The mean of the attempts' step times, weighted by how long each ran."""
     weighted = [
-        (step_s, t(a.ended_at) - t(a.started_at))
-        for a in attempts
-        if (step_s := attempt_step_s[a.number]) is not None
+        (step_s, clock.t(a.ended_at) - clock.t(a.started_at))
+        for a in attempts.rows
+        if (step_s := attempts.step_seconds[a.number]) is not None
     ]
+    if not weighted:
+        return None
     up = sum(w for _, w in weighted)
-    job_step_s: float | None = None
-    if weighted:
-        job_step_s = (
-            sum(s * w for s, w in weighted) / up
-            if up > 0
-            else sum(s for s, _ in weighted) / len(weighted)
-        )
+    if up > 0:
+        return sum(s * w for s, w in weighted) / up
+    return sum(s for s, _ in weighted) / len(weighted)
 
-    by_incident: dict[int, list[ProtocolStepRow]] = defaultdict(list)
-    for r in step_rows:
-        by_incident[r.incident_id].append(r)
-    events = {
-        e.id: e
-        for e in session.scalars(
-            select(FailureEvent).where(FailureEvent.id.in_(list(by_incident) or [-1]))
-        )
-    }
-    # The reconciler's incident event names its cause (a notice, a rank exit, ...).
-    cause_ids = [c for e in events.values() if (c := _cause_id(e)) is not None]
-    causes = {
-        e.id: e
-        for e in session.scalars(select(FailureEvent).where(FailureEvent.id.in_(cause_ids or [-1])))
-    }
 
-    # A plain script resumes from its own snapshot only when the spec says where it is.
-    spec = JobSpec.model_validate(job.spec)
-    own_checkpoint = spec.checkpoint.own is not None
-    incident_end: dict[int, float] = {}
-    incidents: list[Incident] = []
-    gathered: list[_Gathered] = []
-    for incident_id in sorted(by_incident, key=lambda i: (by_incident[i][0].started_at, i)):
-        ev = events[incident_id]
-        rows = by_incident[incident_id]
-        timings = []
-        reports = []
-        for r in rows:
-            try:
-                step = ProtocolStep(r.step)
-            except ValueError:
-                log.warning("job %s incident %s: unknown protocol step %r", job_id, ev.id, r.step)
-                continue
-            start, end = t(r.started_at), t(r.finished_at)
-            timings.append(StepTiming(step, start, max(start, end)))
-            reports.append(
-                StepReport(
-                    r.step,
-                    _utc(r.started_at),
-                    _utc(r.finished_at) if r.finished_at else None,
-                    max(start, end) - start,
-                    r.outcome,
-                    r.detail,
-                )
+def _step_timings(
+    job_id: str, record: IncidentRecord, rows: Sequence[ProtocolStepRow], clock: _Clock
+) -> tuple[list[StepTiming], list[StepReport]]:
+    """An incident's known protocol steps on the report's axis; an open step of a live
+    job runs until ``now``."""
+    timings, reports = [], []
+    for r in rows:
+        try:
+            step = ProtocolStep(r.step)
+        except ValueError:
+            log.warning(
+                "job %s incident %s: unknown protocol step %r", job_id, record.event.id, r.step
             )
+            continue
+        start, end = clock.t(r.started_at), clock.t(r.finished_at)
+        timings.append(StepTiming(step, start, max(start, end)))
+        reports.append(
+            StepReport(
+                r.step,
+                _utc(r.started_at),
+                _utc(r.finished_at) if r.finished_at else None,
+                max(start, end) - start,
+                r.outcome,
+                r.detail,
+            )
+        )
+    return timings, reports
+
+
+def _failure_class(event: FailureEvent) -> FailureClass:
+    try:
+        return FailureClass(event.failure_class or "unknown")
+    except ValueError:
+        return FailureClass.UNKNOWN
+
+
+def _account_incident(
+    record: IncidentRecord,
+    rows: Sequence[ProtocolStepRow],
+    timings: list[StepTiming],
+    reports: list[StepReport],
+    clock: _Clock,
+    *,
+    own_checkpoint: bool,
+    incident_end: dict[int, float],
+) -> _Accounted:
+    """Steps lost and lost work of one incident (module docstring: steps lost, a script
+    that sends no progress reports)."""
+    failed, recovering = record.failed, record.recovering
+    resumer = next((a for a in recovering if a.resume_step is not None), None)
+    last_step = record.last_step
+    resume_step = resumer.resume_step if resumer else None
+    steps_lost = (
+        max(0, last_step - resume_step)
+        if last_step is not None and resume_step is not None
+        else None
+    )
+    validated = any(
+        r.step == ProtocolStep.VALIDATE
+        and r.finished_at is not None
+        and r.outcome == StepOutcome.OK
+        for r in rows
+    )
+    unfinished = any(r.finished_at is None for r in rows)
+    lost_s = None
+    if last_step is None and failed is not None and resumer is not None:
+        if resume_step == 0 and not own_checkpoint:
+            # No step reports, restarted from scratch: all it trained is gone.
+            detected = min(x.started for x in timings)
+            lost_s = max(0.0, detected - _training_start(failed, incident_end, clock.t))
+        else:
+            resume_step = steps_lost = None  # resumed from what it saved: unknown
+    return _Accounted(
+        record,
+        Incident(_failure_class(record.event), tuple(timings), steps_lost or 0, lost_s),
+        resumer or (recovering[0] if recovering else None),
+        resume_step,
+        steps_lost,
+        clock.live and (unfinished or not validated),
+        tuple(reports),
+    )
+
+
+def _account_incidents(
+    job_id: str, records: Sequence[IncidentRecord], clock: _Clock, *, own_checkpoint: bool
+) -> tuple[list[_Accounted], dict[int, float]]:
+    """The incidents that have known protocol steps, in the order they started, and
+    when each ended (incident id -> the report's seconds)."""
+    in_order = [
+        (r, sorted(r.steps, key=lambda row: (row.started_at, row.id))) for r in records if r.steps
+    ]
+    in_order.sort(key=lambda pair: (pair[1][0].started_at, pair[0].event.id))
+    incident_end: dict[int, float] = {}
+    accounted = []
+    for record, rows in in_order:
+        timings, reports = _step_timings(job_id, record, rows, clock)
         if not timings:
             continue
-        failed, recovering = _placement(attempts, ev)
-        resumer = next((a for a in recovering if a.resume_step is not None), None)
-        last_step = failed_attempt_last_step(
-            ev.details, last_steps[failed.number] if failed is not None else []
-        )
-        resume_step = resumer.resume_step if resumer else None
-        steps_lost = (
-            max(0, last_step - resume_step)
-            if last_step is not None and resume_step is not None
-            else None
-        )
-        validated = any(
-            r.step == ProtocolStep.VALIDATE
-            and r.finished_at is not None
-            and r.outcome == StepOutcome.OK
-            for r in rows
-        )
-        unfinished = any(r.finished_at is None for r in rows)
-        try:
-            cls = FailureClass(ev.failure_class or "unknown")
-        except ValueError:
-            cls = FailureClass.UNKNOWN
-        detected = min(x.started for x in timings)
-        incident_end[ev.id] = max(x.ended for x in timings)
-        lost_s = None
-        if last_step is None and failed is not None and resumer is not None:
-            if resume_step == 0 and not own_checkpoint:
-                # No step reports, restarted from scratch: all it trained is gone.
-                lost_s = max(0.0, detected - _training_start(failed, incident_end, t))
-            else:
-                resume_step = steps_lost = None  # resumed from what it saved: unknown
-        incidents.append(Incident(cls, tuple(timings), steps_lost or 0, lost_s))
-        gathered.append(
-            _Gathered(
-                ev,
-                failed,
-                resumer or (recovering[0] if recovering else None),
-                last_step,
-                resume_step,
-                steps_lost,
-                live and (unfinished or not validated),
-                tuple(reports),
+        # Before the lost work: a failed attempt trains only after the incident it
+        # recovered from, which started earlier and so is in here already.
+        incident_end[record.event.id] = max(x.ended for x in timings)
+        accounted.append(
+            _account_incident(
+                record,
+                rows,
+                timings,
+                reports,
+                clock,
+                own_checkpoint=own_checkpoint,
+                incident_end=incident_end,
             )
         )
+    return accounted, incident_end
 
-    latest = attempts[-1] if attempts else None
+
+def _split_time(
+    job_id: str,
+    clock: _Clock,
+    attempts: _Attempts,
+    job_step_s: float | None,
+    accounted: Sequence[_Accounted],
+) -> tuple[GoodputReport, float, float]:
+    """(the pure accounting's split, idle seconds, productive seconds)."""
+    incidents = tuple(a.incident for a in accounted)
+    latest = attempts.latest
     try:
         report = account_goodput(
             JobRun(
                 started=0.0,
-                ended=wall,
+                ended=clock.wall,
                 gpus=max(1, latest.num_nodes) if latest else 1,
                 step_seconds=job_step_s or 0.0,
                 # Dollars are priced per attempt below (module docstring): one price
                 # here would misprice a replacement on another plan.
                 price_per_gpu_hour=0.0,
-                incidents=tuple(incidents),
+                incidents=incidents,
             )
         )
     except ValueError as e:
         raise InconsistentHistory(f"job {job_id}: {e}") from None
-
-    attempt_spans = [(t(a.started_at), t(a.ended_at)) for a in attempts]
+    attempt_spans = [(clock.t(a.started_at), clock.t(a.ended_at)) for a in attempts.rows]
     incident_spans = [(i.started, i.ended) for i in incidents]
-    idle = wall - _union_seconds([*attempt_spans, *incident_spans])
+    idle = clock.wall - _union_seconds([*attempt_spans, *incident_spans])
     productive = report.productive_seconds - idle
     if productive < 0:
         # Lost work priced at a mean step time can exceed the up time it was
         # measured in; never report negative training.
         log.warning("job %s: lost work exceeds up time by %.0f s", job_id, -productive)
         productive = 0.0
+    return report, idle, productive
 
-    # When each attempt stopped training: the detection of the incident that ended it.
+
+def _stopped_training(accounted: Sequence[_Accounted], wall: float) -> dict[int, float]:
+    """attempt -> when it stopped training: the detection of the incident that ended it."""
     stopped: dict[int, float] = {}
-    for inc, g in zip(incidents, gathered, strict=True):
-        if g.failed is not None:
-            ended = g.failed.number
-            stopped[ended] = min(stopped.get(ended, wall), inc.started)
-    sampled = sampled_steps_per_second(session, job_id)
-    attempt_reports = []
-    shrunk_spans = []
-    for a, (a0, a1) in zip(attempts, attempt_spans, strict=True):
-        shape = shapes[a.number]
-        t0 = _training_start(a, incident_end, t)
-        t1 = min(a1, stopped.get(a.number, a1))
-        training_s = max(0.0, t1 - t0)
-        if shape.training_nodes < spec.num_nodes and t1 > t0:
-            shrunk_spans.append((t0, t1))
-        node_h = shape.training_nodes * (a1 - a0) / 3600.0
-        spare_h = (
-            (shape.spare.count if shape.spare else 0) * _spare_span(a, shape, (a0, a1), t) / 3600.0
-        )
-        steps_s = sampled.get(a.number)
-        source: str | None = "progress_samples" if steps_s is not None else None
-        if steps_s is None and (step_s := attempt_step_s[a.number]):
-            steps_s, source = 1.0 / step_s, "step_time"
-        price = a.price_per_node_hour
-        attempt_reports.append(
-            AttemptReport(
-                a.number,
-                a.cloud,
-                a.region,
-                a.instance_type,
-                a.accelerator,
-                a.num_nodes,
-                a.spot,
-                a.price_per_node_hour,
-                _utc(a.started_at),
-                _utc(a.ended_at) if a.ended_at else None,
-                a.end_reason,
-                a.state,
-                a.resume_step,
-                a.validated_step,
-                a.incident_id,
-                attempt_step_s[a.number],
-                (node_h + spare_h) * price if price is not None else None,
-                training_nodes=shape.training_nodes,
-                shrunk=shape.shrunk,
-                spare_nodes=shape.spare.count if shape.spare else 0,
-                spare_released=shape.spare.released if shape.spare else None,
-                wall_seconds=a1 - a0,
-                training_seconds=training_s,
-                node_hours=node_h,
-                spare_node_hours=spare_h,
-                steps_per_second=steps_s,
-                throughput_source=source,
-            )
-        )
+    for acc in accounted:
+        if acc.record.failed is not None:
+            ended = acc.record.failed.number
+            stopped[ended] = min(stopped.get(ended, wall), acc.incident.started)
+    return stopped
 
-    incident_reports = []
-    for inc, cost, g in zip(incidents, report.incidents, gathered, strict=True):
-        ev, failed = g.event, g.failed
-        rate = (
-            _held_nodes(shapes[failed.number], _utc(ev.occurred_at))
-            * failed.price_per_node_hour
-            / 3600.0
-            if failed is not None and failed.price_per_node_hour is not None
-            else None
-        )
-        incident_reports.append(
-            IncidentReport(
-                id=ev.id,
-                failure_class=ev.failure_class or FailureClass.UNKNOWN.value,
-                kind=causes[c].kind if (c := _cause_id(ev)) in causes else ev.kind,
-                occurred_at=_utc(ev.occurred_at),
-                node_id=ev.node_id,
-                message=ev.message,
-                failed_attempt=failed.number if failed else None,
-                recovered_by=g.recovering.number if g.recovering else None,
-                cloud=failed.cloud if failed else None,
-                region=failed.region if failed else None,
-                instance_type=failed.instance_type if failed else None,
-                last_step=g.last_step,
-                resume_step=g.resume_step,
-                steps_lost=g.steps_lost,
-                ongoing=g.ongoing,
-                started_at=wall_start + timedelta(seconds=inc.started),
-                mttr_seconds=cost.mttr_seconds,
-                step_seconds={
-                    str(s): cost.step_seconds[s] for s in ORDER if s in cost.step_seconds
-                },
-                steps=g.steps,
-                lost_work_seconds=cost.lost_work_seconds,
-                usd=(cost.mttr_seconds + cost.lost_work_seconds) * rate
-                if rate is not None
-                else None,
-                planned=is_planned(ev.failure_class),
-            )
-        )
-    reshape_s = _union_seconds(
-        (inc.started, inc.ended)
-        for inc, g in zip(incidents, gathered, strict=True)
-        if is_planned(g.event.failure_class)
+
+def _attempt_report(
+    a: Attempt,
+    attempts: _Attempts,
+    clock: _Clock,
+    training: tuple[float, float],
+    sampled: float | None,
+) -> AttemptReport:
+    """One attempt as a phase: its nodes, node-hours, dollars and throughput;
+    ``training``: when it trained, on the report's axis."""
+    shape = attempts.shapes[a.number]
+    a0, a1 = clock.t(a.started_at), clock.t(a.ended_at)
+    node_h = shape.training_nodes * (a1 - a0) / 3600.0
+    spares = shape.spare.count if shape.spare else 0
+    spare_h = spares * _spare_span(a, shape, (a0, a1), clock.t) / 3600.0
+    step_s = attempts.step_seconds[a.number]
+    steps_s, source = sampled, "progress_samples" if sampled is not None else None
+    if steps_s is None and step_s:
+        steps_s, source = 1.0 / step_s, "step_time"
+    price = a.price_per_node_hour
+    return AttemptReport(
+        a.number,
+        a.cloud,
+        a.region,
+        a.instance_type,
+        a.accelerator,
+        a.num_nodes,
+        a.spot,
+        a.price_per_node_hour,
+        _utc(a.started_at),
+        _utc(a.ended_at) if a.ended_at else None,
+        a.end_reason,
+        a.state,
+        a.resume_step,
+        a.validated_step,
+        a.incident_id,
+        step_s,
+        (node_h + spare_h) * price if price is not None else None,
+        training_nodes=shape.training_nodes,
+        shrunk=shape.shrunk,
+        spare_nodes=spares,
+        spare_released=shape.spare.released if shape.spare else None,
+        wall_seconds=a1 - a0,
+        training_seconds=max(0.0, training[1] - training[0]),
+        node_hours=node_h,
+        spare_node_hours=spare_h,
+        steps_per_second=steps_s,
+        throughput_source=source,
     )
 
-    # A sum with an unpriced part would understate: say "unknown" instead.
-    total_usd = _sum_or_none([a.usd for a in attempt_reports])
-    lost_usd = _sum_or_none([i.usd for i in incident_reports])
+
+def _phases(
+    session: Session,
+    job_id: str,
+    attempts: _Attempts,
+    clock: _Clock,
+    accounted: Sequence[_Accounted],
+    incident_end: dict[int, float],
+    full_size: int,
+) -> tuple[list[AttemptReport], float]:
+    """Every attempt's report, and the job's time spent shrunk (the union of the
+    training time of phases on fewer than ``full_size`` nodes)."""
+    stopped = _stopped_training(accounted, clock.wall)
+    sampled = sampled_steps_per_second(session, job_id)
+    reports, shrunk_spans = [], []
+    for a in attempts.rows:
+        t0 = _training_start(a, incident_end, clock.t)
+        a1 = clock.t(a.ended_at)
+        t1 = min(a1, stopped.get(a.number, a1))
+        if attempts.shapes[a.number].training_nodes < full_size and t1 > t0:
+            shrunk_spans.append((t0, t1))
+        reports.append(_attempt_report(a, attempts, clock, (t0, t1), sampled.get(a.number)))
+    return reports, _union_seconds(shrunk_spans)
+
+
+def _incident_report(
+    acc: _Accounted, cost: IncidentCost, attempts: _Attempts, clock: _Clock
+) -> IncidentReport:
+    """One incident with its MTTR by step and its price: (MTTR + lost work) at the
+    nodes the failed attempt held while it ran."""
+    ev, failed, cause = acc.record.event, acc.record.failed, acc.record.cause
+    rate = (
+        _held_nodes(attempts.shapes[failed.number], _utc(ev.occurred_at))
+        * failed.price_per_node_hour
+        / 3600.0
+        if failed is not None and failed.price_per_node_hour is not None
+        else None
+    )
+    return IncidentReport(
+        id=ev.id,
+        failure_class=ev.failure_class or FailureClass.UNKNOWN.value,
+        kind=cause.kind if cause is not None else ev.kind,
+        occurred_at=_utc(ev.occurred_at),
+        node_id=ev.node_id,
+        message=ev.message,
+        failed_attempt=failed.number if failed else None,
+        recovered_by=acc.recovering.number if acc.recovering else None,
+        cloud=failed.cloud if failed else None,
+        region=failed.region if failed else None,
+        instance_type=failed.instance_type if failed else None,
+        last_step=acc.record.last_step,
+        resume_step=acc.resume_step,
+        steps_lost=acc.steps_lost,
+        ongoing=acc.ongoing,
+        started_at=clock.start + timedelta(seconds=acc.incident.started),
+        mttr_seconds=cost.mttr_seconds,
+        step_seconds={str(s): cost.step_seconds[s] for s in ORDER if s in cost.step_seconds},
+        steps=acc.steps,
+        lost_work_seconds=cost.lost_work_seconds,
+        usd=(cost.mttr_seconds + cost.lost_work_seconds) * rate if rate is not None else None,
+        planned=is_planned(ev.failure_class),
+    )
+
+
+def job_goodput(session: Session, job_id: str, *, now: datetime | None = None) -> JobGoodput:
+    """The goodput report of one job; raises ``repo.NotFound`` for an unknown id."""
+    now = _utc(now or repo.utcnow())
+    job = repo.get_job(session, job_id)
+    clock = _Clock(*job_wall_span(session, job_id, now))
+    attempts = _read_attempts(session, job_id)
+    job_step_s = _job_step_seconds(attempts, clock)
+    # A plain script resumes from its own snapshot only when the spec says where it is.
+    spec = JobSpec.model_validate(job.spec)
+    accounted, incident_end = _account_incidents(
+        job_id,
+        incident_records(session, job_id),
+        clock,
+        own_checkpoint=spec.checkpoint.own is not None,
+    )
+    report, idle, productive = _split_time(job_id, clock, attempts, job_step_s, accounted)
+    attempt_reports, shrunk_s = _phases(
+        session, job_id, attempts, clock, accounted, incident_end, spec.num_nodes
+    )
+    incident_reports = [
+        _incident_report(acc, cost, attempts, clock)
+        for acc, cost in zip(accounted, report.incidents, strict=True)
+    ]
+    reshape_s = _union_seconds(
+        (acc.incident.started, acc.incident.ended)
+        for acc in accounted
+        if is_planned(acc.record.event.failure_class)
+    )
     return JobGoodput(
         job_id=job.id,
         name=job.name,
         status=job.status,
         restart_count=job.restart_count,
-        started_at=wall_start,
-        ended_at=wall_end,
-        live=live,
-        wall_seconds=wall,
+        started_at=clock.start,
+        ended_at=clock.end,
+        live=clock.live,
+        wall_seconds=clock.wall,
         productive_seconds=productive,
         idle_seconds=idle,
         failure_seconds=report.failure_seconds,
         lost_work_seconds=report.lost_work_seconds,
         checkpoint_seconds=report.checkpoint_seconds,
         step_seconds=job_step_s,
-        total_usd=total_usd,
-        lost_usd=lost_usd,
+        # A sum with an unpriced part would understate: say "unknown" instead.
+        total_usd=_sum_or_none([a.usd for a in attempt_reports]),
+        lost_usd=_sum_or_none([i.usd for i in incident_reports]),
         attempts=tuple(attempt_reports),
         incidents=tuple(incident_reports),
-        shrunk_seconds=_union_seconds(shrunk_spans),
+        shrunk_seconds=shrunk_s,
         reshape_seconds=reshape_s,
         node_hours=sum(a.node_hours for a in attempt_reports),
         spare_node_hours=sum(a.spare_node_hours for a in attempt_reports),
@@ -739,7 +783,7 @@ def fleet_incidents(
             attempts[a.job_id].append(a)
     out = []
     for e in events:
-        failed, _ = _placement(attempts[e.job_id], e)
+        failed, _ = failed_and_recovering(attempts[e.job_id], e)
         out.append(
             FleetIncident(
                 e.job_id,

@@ -1,0 +1,76 @@
+"""Goodput accounts the incidents of the one read model (``store.incidents``), so the
+incident list (API, CLI, dashboard) and the goodput report never disagree about which
+incidents a job had, the attempt each one ended or the last step it trained."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from goodput_history import LOST_STEPS, JobHistory, at, two_incident_job
+from sqlalchemy.orm import Session
+
+from orchestrator.domain.status import JobStatus
+from orchestrator.store.db import make_engine, make_sessionmaker
+from orchestrator.store.goodput import job_goodput
+from orchestrator.store.incidents import incident_records, incidents
+
+
+@pytest.fixture
+def session(db_url: str) -> Iterator[Session]:
+    engine = make_engine(db_url)
+    with make_sessionmaker(engine)() as s:
+        yield s
+        s.commit()
+    engine.dispose()
+
+
+def _reread(session: Session) -> None:
+    session.commit()
+    session.expunge_all()
+
+
+def test_goodput_reports_the_incidents_the_incident_list_shows(session):
+    h = two_incident_job(session)
+    _reread(session)
+    listed = incidents(session, h.id)
+    report = job_goodput(session, h.id)
+
+    assert [i.id for i in report.incidents] == [d["id"] for d in listed]
+    assert [(i.failed_attempt, i.last_step) for i in report.incidents] == [
+        (d["attempt"], d["last_step"]) for d in listed
+    ]
+    assert [i.failed_attempt for i in report.incidents] == [1, 2]
+
+
+def test_an_incident_that_does_not_name_its_attempt_is_blamed_alike_by_both(session):
+    # No ``details.attempt``: the read model places it on the attempt started last
+    # before it, whose last heartbeats (step 1234) outran the detection's 1000.
+    h = JobHistory(session)
+    h.status(JobStatus.PROVISIONING, 0)
+    h.attempt(1, 60, 3000, last_step=1234)
+    ev = h.incident(3000, "host_oom_killed", LOST_STEPS, last_step=1000)
+    h.attempt(2, 3100, None, resume_step=1200, incident_id=ev.id)
+    _reread(session)
+
+    (record,) = incident_records(session, h.id)
+    assert record.failed is not None and record.failed.number == 1
+    assert [a.number for a in record.recovering] == [2]
+    (listed,) = incidents(session, h.id)
+    (counted,) = job_goodput(session, h.id, now=at(4000)).incidents
+    assert listed["last_step"] == counted.last_step == record.last_step == 1234
+    assert counted.failed_attempt == 1
+
+
+def test_the_read_model_names_each_incident_s_cause_and_steps_in_recorded_order(session):
+    h = two_incident_job(session)
+    _reread(session)
+    records = incident_records(session, h.id)
+
+    assert [r.cause.kind if r.cause else None for r in records] == [
+        "preemption_notice",
+        "node_lost",
+    ]
+    for r in records:
+        assert [s.id for s in r.steps] == sorted(s.id for s in r.steps)
+        assert len(r.steps) == 7
