@@ -19,6 +19,11 @@ What ``fit`` does, and why:
   committed with our manifest; it opens with ``Trainer.fit(ckpt_path=...)`` or
   ``LightningModule.load_from_checkpoint`` as usual. The callback adds every rank's
   RNG states to it (Lightning saves none), and restores this rank's on resume.
+* **The process group** is started by ``fit`` before ``trainer.fit``, with the DDP
+  strategy's own ``setup_environment`` (``trainer.fit`` repeats it and finds the group
+  up): Lightning starts it only inside ``trainer.fit``, and the checkpoint agreement
+  (``ckpt_path``) and the knobs come before that. Without it every process is rank 0
+  of a world of 1 to skyresume (see ``_start_process_group``).
 * **Resume**: ``ckpt_path`` is the agreed, staged ``step_<N>/lightning.ckpt``; every
   rank then checks ``trainer.global_step`` against the manifest (77 otherwise).
 * **Data position**: Lightning resumes a plain DataLoader at the start of its epoch
@@ -198,6 +203,37 @@ def apply_knobs(trainer: Any, loader: Any, session: FrameworkRun) -> Any:
     )
 
 
+def _start_process_group(trainer: Any) -> None:
+    """Start the process group as Lightning's DDP strategy would, before the session
+    that needs it. Lightning starts it only inside ``trainer.fit`` (the strategy's
+    ``setup_environment``), but ``fit`` must agree on ``ckpt_path`` and plan the knobs
+    before that, and a ``FrameworkRun`` built with no group is rank 0 of a world of 1 on
+    every process. Found on the 2x2 e2e, and at 2 ranks on one node: every rank wrote
+    manifest.json and COMMIT with no barrier (rank 1 into ``step_<N>`` before its node's
+    rank 0 had moved the save there: a FileNotFoundError), every rank's saved RNG
+    state was rank 0's, a job's global batch was planned for one rank (4x the
+    accumulation on 4 ranks), and no resume was compared across ranks.
+
+    The strategy's own ``setup_environment`` keeps its backend, timeout and device;
+    ``trainer.fit`` runs it again: the seed is reset again and the group, already up,
+    is kept (Lightning's ``_init_dist_connection`` returns early)."""
+    import torch.distributed as dist
+    from lightning.pytorch.strategies import DDPStrategy
+
+    if int(trainer.world_size) == 1 or dist.is_initialized():
+        return
+    strategy = trainer.strategy
+    if not isinstance(strategy, DDPStrategy):
+        # Another strategy starts its group in its own way (FSDP, DeepSpeed, model
+        # parallel need the module first): untested, so refused rather than run as
+        # a world of 1 to skyresume.
+        raise ValueError(
+            f"fit supports Lightning's DDP strategies under torchrun, not "
+            f"{type(strategy).__name__}: pass strategy='ddp'"
+        )
+    strategy.setup_environment()
+
+
 def fit(trainer: Any, model: Any, train_dataloaders: Any = None, **kwargs: Any) -> None:
     """``trainer.fit(model, train_dataloaders, ...)`` under skyresume (see the module).
     A stop exits 75, a NaN 76, an unusable or disputed checkpoint 78/77 (RunExit)."""
@@ -213,6 +249,7 @@ def fit(trainer: Any, model: Any, train_dataloaders: Any = None, **kwargs: Any) 
             f"but torchrun started {launched}: pass devices=LOCAL_WORLD_SIZE and "
             "num_nodes=WORLD_SIZE // LOCAL_WORLD_SIZE"
         )
+    _start_process_group(trainer)
     session = FrameworkRun("lightning")
     if train_dataloaders is not None:
         train_dataloaders = apply_knobs(trainer, train_dataloaders, session)
