@@ -59,7 +59,14 @@ from orchestrator.launchers.base import (
 from orchestrator.store import records, repo, work
 from orchestrator.store.intake import IntakeLog
 from orchestrator.store.models import Attempt
-from orchestrator.store.snapshot import Rows, attempt_row, gather_snapshot, parts_of, placement_of
+from orchestrator.store.snapshot import (
+    ProgressCache,
+    Rows,
+    attempt_row,
+    gather_snapshot,
+    parts_of,
+    placement_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +94,8 @@ class Reconciler:
     intake: IntakeLog = field(default_factory=IntakeLog)
     """The fleet's heartbeat intake, one sample per tick (``JobSnapshot.intake``): time
     the service heard too little or did not run is not held against nodes."""
+    progress: ProgressCache = field(default_factory=ProgressCache)
+    """Each node's view as the last tick parsed it: an unchanged row is not parsed again."""
 
     def __post_init__(self) -> None:
         self._last_advice: dict[str, datetime] = {}
@@ -132,6 +141,7 @@ class Reconciler:
         with self.sessionmaker() as s:
             ids = work.jobs_to_reconcile(s)
             self.intake.sample(s, repo.utcnow())
+        self.progress.keep(ids)
         for job_id in ids:
             if self.epoch is None:  # lost the lease during this tick: the new leader goes on
                 return
@@ -165,7 +175,9 @@ class Reconciler:
 
     def _reconcile_fenced(self, job_id: str, now: datetime | None) -> list[rc.Action]:
         with self.sessionmaker() as s, s.begin():
-            snap, rows = gather_snapshot(s, job_id, now or repo.utcnow(), self.launcher)
+            snap, rows = gather_snapshot(
+                s, job_id, now or repo.utcnow(), self.launcher, self.progress
+            )
             if self.heard_since is not None:
                 snap = replace(snap, heard_since=self.heard_since, intake=self.intake.samples())
             actions = rc.decide(snap, self.config)

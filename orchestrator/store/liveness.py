@@ -25,7 +25,7 @@ scale"). So a heartbeat touches no database on its hot path:
   keeps its batch for the next one; ``stop`` flushes.
 - **Detection reads the live view**: :func:`live_of` finds this replica's memory
   from any session of its sessionmaker, and the snapshot takes the newer of memory
-  and SQL (:func:`overlay`), so a beat sitting in a batch never makes a node look
+  and SQL (:func:`newer_beat`), so a beat sitting in a batch never makes a node look
   silent. Another replica's beats reach SQL within its flush interval.
 
 Until :meth:`LiveHeartbeats.start` (``skyresume serve`` calls it) there is no
@@ -394,27 +394,29 @@ def live_of(session: Session) -> LiveHeartbeats | None:
     return live if isinstance(live, LiveHeartbeats) else None
 
 
-@dataclass(frozen=True)
-class LiveNode:
-    """What detection reads of one node: memory where it is newer than SQL."""
-
-    state: str
-    last_heartbeat_at: datetime | None
-    progress: dict[str, Any]
-
-
-def overlay(
+def newer_beat(
     live: LiveHeartbeats | None,
-    row: Node,
+    job_id: str,
+    node_id: str,
+    attempt: int,
     sql_heartbeat_at: datetime | None,
-) -> LiveNode:
-    """The newer of this replica's memory and the SQL row (``sql_heartbeat_at`` is
-    the row's time as UTC-aware)."""
-    sql = LiveNode(row.state, sql_heartbeat_at, row.progress or {})
-    beat = live.latest(row.job_id, row.node_id) if live is not None else None
-    if beat is None or beat.attempt != row.attempt:
-        return sql
+) -> Beat | None:
+    """This replica's newest beat of the node where it is newer than the SQL row
+    (``sql_heartbeat_at``, UTC-aware) and of the row's attempt; None: SQL is as new."""
+    beat = live.latest(job_id, node_id) if live is not None else None
+    if beat is None or beat.attempt != attempt:
+        return None
     if sql_heartbeat_at is not None and beat.at <= sql_heartbeat_at:
-        return sql
-    state = agents.merged_state(row.state, beat.state)
-    return LiveNode(state, beat.at, agents.merge_progress(row.progress, beat.body, beat.acked))
+        return None
+    return beat
+
+
+def seen_state(row_state: str, beat: Beat | None) -> str:
+    """The node's state as detection reads it: the row's, or its newer beat's."""
+    return row_state if beat is None else agents.merged_state(row_state, beat.state)
+
+
+def seen_progress(stored: dict[str, Any], beat: Beat | None) -> dict[str, Any]:
+    """The node's progress as detection reads it: the row's (decoded), or merged with
+    its newer beat (:func:`newer_beat`) as the next flush will write it."""
+    return stored if beat is None else agents.merge_progress(stored, beat.body, beat.acked)

@@ -164,8 +164,8 @@ def test_a_round_whose_reads_outlast_the_lease_still_acts(pair, monkeypatch):
     assert p.a.acquire_lease()
     real = loop.gather_snapshot
 
-    def slow_reads(s, job_id, now, launcher):  # type: ignore[no-untyped-def]
-        out = real(s, job_id, now, launcher)
+    def slow_reads(s, job_id, now, launcher, *cache):  # type: ignore[no-untyped-def]
+        out = real(s, job_id, now, launcher, *cache)
         clock[0] += timedelta(seconds=TTL + 2)  # the launcher's reads took that long
         return out
 
@@ -192,8 +192,8 @@ def _pause_a_after_gather(monkeypatch, p: Pair, meanwhile: Callable[[], None]) -
     real = loop.gather_snapshot
     paused = []
 
-    def gather(s, job_id, now, launcher):  # type: ignore[no-untyped-def]
-        out = real(s, job_id, now, launcher)
+    def gather(s, job_id, now, launcher, *cache):  # type: ignore[no-untyped-def]
+        out = real(s, job_id, now, launcher, *cache)
         if not paused and s.info.get("who") == "A":
             paused.append(True)
             meanwhile()
