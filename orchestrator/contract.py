@@ -306,6 +306,12 @@ class CommandType(StrEnum):
     SET_CHECKPOINT_EVERY = "set_checkpoint_every"  # push a new interval to the ranks
     INJECT_FAULT = "inject_fault"  # chaos: a rank fails the way ``FaultKind`` says
     UPLOAD_LOGS = "upload_logs"  # send the agent's, torchrun's and each rank's log tail now
+    #: Elastic warm shrink: the node, held at SIGNAL with its ranks waiting warm, is
+    #: carried into attempt ``args["attempt"]``: its agent moves there (the commands
+    #: route adds ``agent_token``, the new attempt's token for this node), stages
+    #: ``args.get("stage_from")``, and writes ``args["membership"]`` (a
+    #: :class:`Membership` doc) into the control file, where its ranks re-form.
+    REGROUP = "regroup"
 
 
 class ReportKind(StrEnum):

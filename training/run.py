@@ -1178,6 +1178,9 @@ class Run:
             file=sys.stderr,
             flush=True,
         )
+        # Said at once: the service holds this node warm on it, and the save in flight
+        # below may take its collective's timeout to fail.
+        self._send_regroup(self.generation, end)
         ckpt, self.checkpointer = self.checkpointer, None
         if ckpt is not None:
             try:
@@ -1190,7 +1193,6 @@ class Run:
             dist.destroy_process_group()
         except Exception as e:  # nothing can be formed over a group torch still holds
             self._exit(ExitCode.REGROUP_FAILED, f"destroy_process_group failed: {e}")
-        self._send_regroup(self.generation, end)
         newer_than = self.generation
         while True:
             membership = self._await_membership(newer_than)
@@ -1239,6 +1241,10 @@ class Run:
         except ValueError as e:
             self._exit(ExitCode.REGROUP_FAILED, f"{e}; this rank is not in the new group")
         t0 = time.perf_counter()
+        # Under torchrun every rank is told to use the agent's store (the first group's,
+        # hosted by node 0's torchrun): for the new group rank 0 must host its own, or
+        # every rank waits as a client of a store nobody serves.
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
         try:
             dist.init_process_group(
                 self._backend,

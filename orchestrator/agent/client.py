@@ -132,12 +132,10 @@ class ServiceClient:
         ca_pem: str | None = None,
     ):
         self.base_url = base_url.rstrip("/")
-        self._token = token
-        q = urllib.parse.quote
-        self.prefix = (
-            f"{self.base_url}/v1/jobs/{q(job_id, safe='')}/attempts/{attempt}"
-            f"/nodes/{q(node_id, safe='')}"
-        )
+        self._job_id, self._node_id = job_id, node_id
+        self._target = (self._prefix(attempt), token)
+        """(URL prefix, token): one value, so a request never pairs one attempt's URL
+        with another's token while :meth:`move_to` runs on another thread."""
         # A proxy from the environment must not sit between an agent and a service
         # on loopback (the local launcher); a remote service may need one.
         handlers: list[urllib.request.BaseHandler] = (
@@ -150,14 +148,26 @@ class ServiceClient:
         )
         self._opener = urllib.request.build_opener(*handlers)
 
+    def _prefix(self, attempt: int) -> str:
+        q = urllib.parse.quote
+        return (
+            f"{self.base_url}/v1/jobs/{q(self._job_id, safe='')}/attempts/{attempt}"
+            f"/nodes/{q(self._node_id, safe='')}"
+        )
+
+    @property
+    def prefix(self) -> str:
+        return self._target[0]
+
     def request(self, method: str, path: str, body: Any = None, *, timeout: float = 10.0) -> Answer:
         data = None if body is None else _encode(body)
+        prefix, token = self._target
         req = urllib.request.Request(
-            self.prefix + path,
+            prefix + path,
             data=data,
             method=method,
             headers={
-                "Authorization": f"Bearer {self._token}",
+                "Authorization": f"Bearer {token}",
                 "Content-Type": "application/json",
                 "Accept": "application/json",
             },
@@ -196,7 +206,12 @@ class ServiceClient:
     def use_token(self, token: str) -> None:
         """From now on, present ``token``: the attempt's agent token, which register
         hands back for the single-use enrolment token a launched task carries."""
-        self._token = token
+        self._target = (self._target[0], token)
+
+    def move_to(self, attempt: int, token: str) -> None:
+        """From now on, speak for ``attempt`` with its agent token (a node carried warm
+        into it by a ``regroup`` command)."""
+        self._target = (self._prefix(attempt), token)
 
     def heartbeat(self, body: dict[str, Any]) -> Answer:
         return self.request("POST", "/heartbeat", body)

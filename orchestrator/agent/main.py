@@ -39,7 +39,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -63,7 +63,16 @@ from orchestrator.agent.client import (
 )
 from orchestrator.agent.progress import ProgressBoard, ProgressListener, finite
 from orchestrator.cloud import metadata as md
-from orchestrator.contract import AGENT_PROTOCOL, CommandType, Env, ExitCode, FaultKind, ReportKind
+from orchestrator.contract import (
+    AGENT_PROTOCOL,
+    MEMBERSHIP_KEY,
+    CommandType,
+    Env,
+    ExitCode,
+    FaultKind,
+    Membership,
+    ReportKind,
+)
 from orchestrator.package import installed_build_id
 
 log = logging.getLogger("skyresume.agent")
@@ -71,6 +80,11 @@ log = logging.getLogger("skyresume.agent")
 TOKEN_ENV = "SKYRESUME_AGENT_TOKEN"
 #: Grace for ``stop`` commands and for a superseded attempt (docs/agent.md).
 STOP_GRACE_S = 5.0
+#: Elastic runs: how long a rank that left its group (a peer lost) waits for the
+#: membership a warm shrink hands it (``REGROUP_TIMEOUT_S``) before it exits for a cold
+#: restart. It covers the service's detection, SIGNAL, CONFIRM, SELECT and LAUNCH; any
+#: remedy other than a warm shrink restarts the node cold well before it.
+REGROUP_WAIT_S = 180
 #: How long the long-poll for commands waits per request. Short enough that a service
 #: shutting down gracefully (which waits for in-flight requests) is not held long.
 COMMAND_WAIT_S = 10.0
@@ -729,6 +743,7 @@ class Agent:
         """The heartbeat period: ours, or the longer one the service named (a big fleet)."""
         self.outbox = _Outbox()
         self.superseded: str | None = None
+        self._held_logged = False
         self.instance = secrets.token_hex(16)
         """This agent process's random id, sent with every register."""
         self.notice_at: float | None = None
@@ -885,6 +900,7 @@ class Agent:
                     "max_steps": p.max_steps,
                     "report_age_s": round(now - p.last_seen, 3) if p.last_seen else None,
                     "resumed": p.resumed,
+                    "regrouping": p.regrouping,
                     "exit_code": r.exit_code if r.exited else None,
                     "signal": r.signal if r.exited else None,
                     "cpu_idle_s": idle,
@@ -963,6 +979,7 @@ class Agent:
         unreachable_since: float | None = None
         while not self._exit.is_set():
             wait = told_interval({"interval_s": self.period_s}, self.cfg.heartbeat_s)
+            asked = self.cfg.attempt
             try:
                 if not self._registered.is_set():
                     self._register()
@@ -974,6 +991,9 @@ class Agent:
                     if ans.status >= 300:
                         log.error("heartbeat refused: HTTP %s %s", ans.status, ans.body)
                     else:  # a fleet too big for our own period: the service's, jittered
+                        held = isinstance(ans.body, dict) and ans.body.get("held") is True
+                        if held and asked == self.cfg.attempt:
+                            self._note_held()
                         wait = told_interval(ans.body, self.cfg.heartbeat_s)
                         told = ans.body.get("interval_s") if isinstance(ans.body, dict) else None
                         self.period_s = told_interval(
@@ -986,6 +1006,8 @@ class Agent:
                     unreachable_since = None
                 delays = self._retry_delays()
             except Superseded as e:
+                if self.cfg.attempt != asked:
+                    continue  # carried meanwhile: the attempt it spoke for is left behind
                 self.on_superseded(str(e))
                 return
             except Busy as e:  # back-pressure: the service is up, and asked for fewer
@@ -1006,9 +1028,12 @@ class Agent:
         while not self._exit.is_set():
             if not self._registered.wait(0.5):
                 continue
+            asked = self.cfg.attempt
             try:
                 ans = self.client.commands(self.cursor, COMMAND_WAIT_S)
             except Superseded as e:
+                if self.cfg.attempt != asked:
+                    continue  # carried meanwhile: the attempt it asked for is left behind
                 self.on_superseded(str(e))
                 return
             except Unreachable:
@@ -1056,6 +1081,10 @@ class Agent:
                 log.error("set_checkpoint_every: every_steps must be an integer >= 1, got %r", n)
                 return
             write_control_file(self.cfg.control_file, {"checkpoint_every": n})
+        elif kind == CommandType.REGROUP:
+            # Off the command thread: staging the checkpoint may take a while, and the
+            # thread must go on polling (the new attempt's commands, once moved).
+            threading.Thread(target=self.carry, args=(args,), daemon=True).start()
         elif kind == CommandType.UPLOAD_LOGS:
             if self.logs is not None:  # off the command thread: files may be slow
                 threading.Thread(target=self.logs.upload, args=("request",), daemon=True).start()
@@ -1079,6 +1108,78 @@ class Agent:
             )
         else:
             log.error("unknown command type %r (skipped)", kind)
+
+    # --- warm regroup (elastic) ------------------------------------------------------
+
+    def _note_held(self) -> None:
+        if not self._held_logged:
+            self._held_logged = True
+            log.info(
+                "held warm: attempt %d ended; the ranks wait for a membership", self.cfg.attempt
+            )
+
+    def carry(self, args: dict[str, Any]) -> bool:
+        """A ``regroup`` command: move this agent into the attempt it names, stage the
+        checkpoint it names, and write the node's membership into the control file,
+        where the waiting ranks re-form the group (``training.Run.groups``). False (and
+        nothing moved) when the command is malformed or the ranks cannot take it: the
+        service then sees the node never register in the new attempt."""
+        attempt, token = args.get("attempt"), args.get("agent_token")
+        try:
+            m = Membership.from_doc(args.get("membership"))
+        except ValueError as e:
+            log.error("regroup refused: %s", e)
+            return False
+        if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt <= self.cfg.attempt:
+            log.error("regroup refused: attempt %r is not after %d", attempt, self.cfg.attempt)
+            return False
+        if not isinstance(token, str) or not token or self.client is None:
+            log.error("regroup refused: no agent token for attempt %s", attempt)
+            return False
+        waiting = [r for r in self.ranks if not r.exited]
+        if self.stopping or len(waiting) != self.cfg.nproc_per_node:
+            log.error(
+                "regroup refused: %d of %d ranks alive%s",
+                len(waiting), self.cfg.nproc_per_node, " (stopping)" if self.stopping else "",
+            )  # fmt: skip
+            return False
+        t0 = time.monotonic()
+        with self._lock:
+            self.cfg = replace(
+                self.cfg,
+                attempt=attempt,
+                node_rank=m.node_rank,
+                nnodes=m.nnodes,
+                master_addr=m.master_addr,
+            )
+            for r in self.ranks:  # their global ranks in the new group
+                r.rank = m.global_rank(r.local_rank)
+            self.board.reset()
+            self._held_logged = False
+            self.client.move_to(attempt, token)
+            self._registered.clear()  # the heartbeat thread registers in the new attempt
+        log.info(
+            "carried into attempt %d as node rank %d of %d (%s)",
+            attempt, m.node_rank, m.nnodes, m.init_method,
+        )  # fmt: skip
+        stage_from = args.get("stage_from")
+        if isinstance(stage_from, str) and stage_from:
+            if not self._registered.wait(30.0):
+                log.warning("not registered in attempt %d yet; staging anyway", attempt)
+            where = {Env.RESUME_FROM: str(args.get("resume_from") or "")}
+            if m.resume_step is not None:
+                where[Env.EXPECTED_STEP] = str(m.resume_step)
+            if not self.stage_checkpoint(stage_from, where):
+                self.begin_stop("regroup: the checkpoint could not be staged", 0.0)
+                return False
+            assert self.staged is not None
+            m = replace(m, resume_from=self.staged.path, resume_step=self.staged.step)
+        write_control_file(self.cfg.control_file, {MEMBERSHIP_KEY: m.to_doc()})
+        log.info(
+            "membership %d written (%.2f s after the command): resume %s at step %s",
+            m.generation, time.monotonic() - t0, m.resume_from, m.resume_step,
+        )  # fmt: skip
+        return True
 
     # --- metadata ----------------------------------------------------------------------
 
@@ -1278,15 +1379,24 @@ class Agent:
         # torchrun's own SIGTERM path (if it is signalled) then honours our grace
         # instead of its fixed 30 s.
         env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(max(1, math.ceil(self.cfg.grace_s)))
+        if env.get(Env.FULL_WORLD_SIZE):
+            # An elastic run: this agent carries its ranks into a shrunk group (``carry``),
+            # so a rank whose peer was lost waits for the membership instead of exiting.
+            env.setdefault(Env.REGROUP_TIMEOUT_S, str(REGROUP_WAIT_S))
         return env
 
-    def stage_checkpoint(self) -> bool:
-        """Stage ``Env.STAGE_FROM`` onto the node's disk before torchrun (stage.py) and
-        report it; False: it failed, a ``node_exit`` is reported and torchrun must not
-        start. True when staged, or when nothing was asked for."""
-        if not self.environ.get(Env.STAGE_FROM):
+    def stage_checkpoint(self, uri: str | None = None, env: dict[str, str] | None = None) -> bool:
+        """Stage ``uri`` (default ``Env.STAGE_FROM``) onto the node's disk before
+        torchrun, or before a carried group re-forms (stage.py; ``env``: that attempt's
+        ``RESUME_FROM`` and ``EXPECTED_STEP``), and report it; False:
+        it failed, a ``node_exit`` is reported and torchrun must not start. True when
+        staged, or when nothing was asked for."""
+        uri = uri or self.environ.get(Env.STAGE_FROM)
+        if not uri:
             return True
-        env = st.node_disk_values(self.rank_env(), self.cfg.local_dir)
+        env = st.node_disk_values(
+            {**self.rank_env(), **(env or {}), Env.STAGE_FROM: uri}, self.cfg.local_dir
+        )
         log.info("staging %s", st.safe_uri(env[Env.STAGE_FROM]))
         out = st.stage_for_ranks(env, self.cfg.local_dir)
         assert out is not None
@@ -1315,6 +1425,10 @@ class Agent:
         c = self.cfg
         # A run-context value may name {node_disk}: this node's local disk.
         env = st.node_disk_values(self.rank_env(), c.local_dir)
+        if c.control_file.exists():
+            # Ranks started cold belong to the group torchrun forms, not to a membership
+            # an earlier agent on this disk wrote for a group that is gone.
+            write_control_file(c.control_file, {MEMBERSHIP_KEY: None})
         if self.staged is not None and self.staged.ok:
             # The ranks load what was staged and verified here, and nothing else.
             env.setdefault(Env.RESUME_FROM, self.staged.path)

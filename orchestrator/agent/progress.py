@@ -33,6 +33,9 @@ class RankProgress:
     resumed: dict[str, Any] | None = None
     checkpoint: dict[str, Any] | None = None
     exit: dict[str, Any] | None = None
+    regrouping: int | None = None
+    """Elastic warm regroup: the generation the rank left (its ``regroup`` datagram)
+    while it waits for a newer membership; None once it resumed (or never left)."""
 
 
 def finite(x: Any) -> float | None:
@@ -82,7 +85,11 @@ class ProgressBoard:
                 p.loss = finite(doc.get("loss"))
                 p.grad_norm = finite(doc.get("grad_norm"))
                 p.max_steps = _int(doc.get("max_steps"))
+            elif kind == "regroup":
+                p.regrouping = _int(doc.get("generation"))
+                p.resumed = None  # what it resumed from belongs to the group it left
             elif kind == "resumed":
+                p.regrouping = None
                 p.resumed = {
                     "step": _int(doc.get("step")),
                     "manifest_digest": doc.get("manifest_digest"),
@@ -96,6 +103,12 @@ class ProgressBoard:
         if kind in ("checkpoint", "anomaly", "exit"):
             self.on_event(doc)
         return doc
+
+    def reset(self) -> None:
+        """Forget every rank (a carried agent: its ranks report under new global ranks,
+        and what they said belongs to the attempt left)."""
+        with self._lock:
+            self.ranks.clear()
 
     def snapshot(self, rank: int) -> RankProgress:
         with self._lock:

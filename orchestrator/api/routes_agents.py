@@ -65,7 +65,7 @@ from orchestrator.api.schemas import (
     StrictInt,
     no_parent_segment,
 )
-from orchestrator.contract import AGENT_PROTOCOL
+from orchestrator.contract import AGENT_PROTOCOL, CommandType
 from orchestrator.domain.roles import Role
 from orchestrator.domain.spec import INT32_MAX, INT64_MAX, MAX_DETAIL_CHARS, refuse_unstorable
 from orchestrator.store import agents, tokens
@@ -279,6 +279,9 @@ class RankProgress(_Body):
     cpu_idle_s: _Float | None = Field(default=None, ge=0)
     """Seconds since the rank's process last used CPU (None: not measured): the work a
     script that sends no reports shows."""
+    regrouping: int | None = Field(default=None, ge=0, le=_I32)
+    """Elastic warm regroup: the generation the rank left and is waiting to re-form
+    from (its ``regroup`` datagram); None when it is in a group."""
 
 
 class OwnCheckpointSeen(_Body):
@@ -570,6 +573,12 @@ async def heartbeat(
         except NotFound as e:
             raise _translate(e) from None
     if verdict is Verdict.NOT_CURRENT:
+        # The rare path: one read, for a node that SIGNAL may have held warm (its
+        # attempt ended; a ``regroup`` command carries it into the next one).
+        if await anyio.to_thread.run_sync(
+            _held, request, job_id, attempt, node_id, limiter=_heartbeat_threads(request)
+        ):
+            return {"held": True}
         raise _translate(
             agents.NotCurrent(f"attempt {attempt} of job {job_id} is not the current attempt")
         )
@@ -592,12 +601,35 @@ def _heartbeat_threads(request: Request) -> anyio.CapacityLimiter:
     return limiter
 
 
+def _held(request: Request, job_id: str, attempt: int, node_id: str) -> bool:
+    with request.app.state.sessionmaker() as session:
+        try:
+            return agents.is_held(session, job_id, attempt, node_id)
+        except NotFound:
+            return False
+
+
 def _check_commands(
     request: Request, job_id: str, attempt: int, node_id: str, after: int
 ) -> list[CommandOut]:
     with request.app.state.sessionmaker() as session:
         cmds = agents.poll_commands(session, job_id, attempt, node_id, after)
-        return [CommandOut(seq=c.id, type=c.type, args=c.args or {}) for c in cmds]
+        return [
+            CommandOut(seq=c.id, type=c.type, args=_command_args(request, job_id, node_id, c))
+            for c in cmds
+        ]
+
+
+def _command_args(request: Request, job_id: str, node_id: str, c: NodeCommand) -> dict[str, Any]:
+    """A command's args as the agent gets them. A ``regroup`` addressed to this node
+    also carries the agent token of the attempt it moves into: handed here, to the
+    agent that holds this attempt's token, the way register hands one for an
+    enrolment, and never stored."""
+    args = dict(c.args or {})
+    into = args.get("attempt")
+    if c.type == CommandType.REGROUP and c.node_id == node_id and isinstance(into, int):
+        args["agent_token"] = node_token(request.app.state.token, job_id, into, node_id)
+    return args
 
 
 class _CommandWatch:

@@ -17,7 +17,7 @@ from orchestrator.contract import AttemptState, CommandType, FaultKind
 from orchestrator.domain.spec import INT32_MAX, refuse_unstorable
 from orchestrator.domain.status import JobStatus
 from orchestrator.launchers.base import ChaosLauncher, LaunchError
-from orchestrator.store import records, repo
+from orchestrator.store import agents, records, repo
 from orchestrator.store.incidents import incidents
 from orchestrator.store.models import Attempt, Node, NodeCommand
 from orchestrator.store.shape import AttemptShape, job_shapes
@@ -38,7 +38,9 @@ def list_attempts(job_id: str, session: SessionDep) -> dict[str, Any]:
 
     ``num_nodes`` is the size the attempt was placed for; ``training_nodes`` the nodes
     whose ranks trained: fewer on a shrunk attempt (an elastic run), whose ``spare``
-    is ``{count, released, node_ids}`` (its standby replacements; null otherwise)."""
+    is ``{count, released, node_ids}`` (its standby replacements; null otherwise).
+    ``carried``: the node ids its SIGNAL held warm, which a warm shrink carried into
+    the next attempt (each node is listed once, under the attempt it is in now)."""
     _job(session, job_id)
     out = []
     shapes = job_shapes(session, job_id)
@@ -79,6 +81,9 @@ def list_attempts(job_id: str, session: SessionDep) -> dict[str, Any]:
                 "training_nodes": shape.training_nodes,
                 "spare": _spare(shape),
                 "exclude_hosts": list((a.knobs or {}).get("exclude_hosts") or []),
+                # Held warm at SIGNAL: the nodes a warm shrink carried on into a later
+                # attempt (one row per node: listed under the attempt they are in now).
+                "carried": sorted(agents.held_ids(a)),
                 "nodes": [
                     {
                         "node_id": n.node_id,

@@ -128,6 +128,12 @@ class ReconcileConfig:
     disruption."""
     elastic: el.ElasticConfig = field(default_factory=el.ElasticConfig)
     """Whether an elastic run shrinks onto its survivors (``domain.elastic``)."""
+    warm_wait_s: float = 20.0
+    """How long SIGNAL waits, from the incident's detection, for an elastic job's
+    survivors to report that every rank left the broken group and waits warm (their
+    next heartbeat): the loss is often seen before they say so, and a rank whose
+    save was in flight says so only once that save's collective failed. A survivor
+    rank that exits ends the wait at once (its script does not regroup)."""
 
 
 @dataclass(frozen=True)
@@ -196,6 +202,9 @@ class RankView:
     measured). Evidence of work for a script that sends no progress reports."""
     max_steps: int | None = None
     """Where the rank's run ends (``training.Run.steps``), when it says."""
+    regrouping: int | None = None
+    """Elastic warm regroup: the rank left its process group (generation this) and
+    waits, alive and warm, for a newer membership; None: in a group, or not known."""
 
 
 @dataclass(frozen=True)
@@ -223,6 +232,18 @@ class NodeView:
     address: str | None = None
     """Where the service saw its agent register from: a kept node's is the rendezvous
     address of a group that spans launches."""
+    held: bool = False
+    """SIGNAL held it warm (``HoldWarm``): its agent stays through the attempt's end,
+    its ranks wait, and a warm shrink carries it into the next attempt."""
+
+    @property
+    def waiting_warm(self) -> bool:
+        """Every rank of the node is alive and waiting for a membership (they left a
+        group that lost a peer): nothing to save or stop, only a group to re-form."""
+        return bool(self.ranks) and all(
+            r.regrouping is not None and r.exit_code is None and r.signal is None
+            for r in self.ranks
+        )
 
 
 @dataclass(frozen=True)
@@ -405,6 +426,9 @@ class Selection:
     train_nodes: int | None = None
     """A shrink: the kept nodes train alone as a group of this many while the
     replacements of ``placement.num_nodes`` come up beside them."""
+    warm: bool = False
+    """A shrink whose kept nodes were held warm at SIGNAL: they are carried into the
+    next attempt (a ``regroup`` command each), not restarted."""
 
 
 @dataclass(frozen=True)
@@ -570,6 +594,9 @@ class RecordAttempt:
     train_nodes: int | None = None
     """A shrink (``LaunchVerb.SHRINK``): the first this many nodes (the kept ones) are
     the training group; the rest of ``placement.num_nodes`` launch as standby."""
+    warm: bool = False
+    """A shrink whose kept nodes are carried warm (``Selection.warm``): LAUNCH hands
+    each one a membership instead of restarting it."""
 
 
 @dataclass(frozen=True)
@@ -670,6 +697,17 @@ class SendCommand:
 
 
 @dataclass(frozen=True)
+class HoldWarm:
+    """Elastic: keep these nodes of the attempt as they are, agents and ranks alive
+    (their ranks left the group that lost a peer and wait for a membership). Their
+    agents are answered after the attempt ends, until a warm shrink carries them into
+    the next attempt or they are restarted or released."""
+
+    attempt: int
+    node_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Release:
     """Mark the attempt ended; tear its nodes down unless they stay for a restart in
     place."""
@@ -699,6 +737,7 @@ class ReleaseSpare:
 
 Action = (
     SetStatus
+    | HoldWarm
     | RecordAttempt
     | StartNodes
     | MarkProvisioned
@@ -1175,6 +1214,8 @@ def _protocol(
         return []
     i = inc.event_id
     view = inc.steps.get(step)
+    if step is _P.SIGNAL and view is None and _awaiting_warm(s, a, inc, cfg):
+        return []  # nothing signalled yet: a stop would end ranks that are about to wait
     start: list[Action] = [StartStep(i, step)] if view is None else []
     if step is _P.SIGNAL:
         return start + _signal(s, a, inc, view, cfg)
@@ -1198,6 +1239,21 @@ def _signal(
 ) -> list[Action]:
     i, step = inc.event_id, _P.SIGNAL
     if view is None:
+        warm = warm_survivors(s, a, inc)
+        if warm:
+            gone = [n.node_id for n in a.nodes if n.node_id not in warm]
+            return [
+                HoldWarm(inc.attempt, warm),
+                FinishStep(
+                    i,
+                    step,
+                    StepOutcome.OK,
+                    f"held warm, not stopped: every rank of {', '.join(warm)} left its group "
+                    "when a peer was lost and waits for a membership (nothing to save: the "
+                    "group is gone); "
+                    + (f"{', '.join(gone)}: {stop_evidence(a)}" if gone else "no node lost"),
+                ),
+            ]
         reason = str(inc.failure_class)
         if inc.failure_class in SAVE_CLASSES:
             args: dict[str, object] = {"reason": reason, "grace_s": s.grace_s}
@@ -1346,6 +1402,50 @@ def survivors(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> tuple[str, .
         return ()  # the group's rendezvous would be a kept node nobody can be told of
     kept = tuple(n.node_id for n in nodes)
     return kept if 0 < len(kept) < a.num_nodes else ()
+
+
+def _warm_candidates(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[NodeView]:
+    """The survivors of a loss an elastic job may shrink on (``elastic.shrink`` not
+    ``never``), each with all its ranks known; empty when there is no such loss."""
+    spec = s.spec
+    if not spec.elastic_nodes or spec.elastic.shrink == "never":
+        return []
+    kept = survivors(s, a, inc)
+    by_id = {n.node_id: n for n in a.nodes}
+    nodes = [by_id[x] for x in kept]
+    if not nodes or any(len(n.ranks) != a.ranks_per_node for n in nodes):
+        return []
+    return nodes
+
+
+def _awaiting_warm(s: JobSnapshot, a: AttemptView, inc: IncidentView, cfg: ReconcileConfig) -> bool:
+    """SIGNAL holds off (``warm_wait_s`` from the detection) while an elastic job's
+    survivors may still report waiting warm: none of their ranks exited, and not all
+    of them said so yet."""
+    nodes = _warm_candidates(s, a, inc)
+    if not nodes or all(n.waiting_warm for n in nodes):
+        return False
+    if any(r.exit_code is not None or r.signal is not None for n in nodes for r in n.ranks):
+        return False
+    detected = inc.steps.get(_P.DETECT)
+    since = detected.finished_at or detected.started_at if detected is not None else None
+    return _age(s.now, since) < cfg.warm_wait_s
+
+
+def warm_survivors(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> tuple[str, ...]:
+    """The survivors SIGNAL holds warm instead of stopping: an elastic job that may
+    shrink (``elastic.shrink`` not ``never``) lost a node, and every rank of every
+    survivor is alive and waiting for a membership (``NodeView.waiting_warm``: they
+    left the group when its collectives failed). Empty: signal as for any job.
+
+    Stopping them would only end processes that hold torch, the model and the
+    optimizer and can save nothing (a save needs the lost ranks too); held, a warm
+    shrink re-forms them in place, and any other remedy restarts them cold as before
+    (their ranks also give up on their own after ``REGROUP_TIMEOUT_S``)."""
+    nodes = _warm_candidates(s, a, inc)
+    if not nodes or not all(n.waiting_warm for n in nodes):
+        return ()
+    return tuple(n.node_id for n in nodes)
 
 
 def _kept(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> tuple[str, ...]:
@@ -1599,9 +1699,27 @@ def _select_shrink(
         keep=kept,
         keep_hosts=tuple(a.host_of(x) or "" for x in kept),
         train_nodes=k,
+        warm=_carried_warm(a, inc, kept),
     )
+    if result.warm:
+        where += "; the kept nodes are carried warm (their ranks re-form the group in place)"
     text = "; ".join([where, *notes])
     return [FinishStep(inc.event_id, _P.SELECT_REPLACEMENT, StepOutcome.OK, text, result)]
+
+
+def _carried_warm(a: AttemptView, inc: IncidentView, kept: tuple[str, ...]) -> bool:
+    """A shrink carries its kept nodes warm when SIGNAL held every one of them and a
+    complete checkpoint was confirmed (a re-formed group loads it; it never starts
+    fresh)."""
+    held = {n.node_id for n in a.nodes if n.held}
+    confirmed = inc.confirmed
+    return (
+        bool(kept)
+        and set(kept) <= held
+        and confirmed is not None
+        and confirmed.step is not None
+        and confirmed.uri is not None
+    )
 
 
 def _select_grow(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[Action]:
@@ -1726,6 +1844,7 @@ def _record_relaunch(s: JobSnapshot, a: AttemptView, inc: IncidentView) -> list[
             keep=selected.keep,
             keep_hosts=selected.keep_hosts,
             train_nodes=selected.train_nodes,
+            warm=selected.warm,
         ),
     ]
 

@@ -42,7 +42,7 @@ from typing import cast
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from orchestrator.contract import AttemptState, CommandType, Env, EventKind
+from orchestrator.contract import AttemptState, CommandType, Env, EventKind, Membership
 from orchestrator.domain import reconcile as rc
 from orchestrator.domain.status import IllegalTransition, JobStatus
 from orchestrator.launchers.base import (
@@ -56,7 +56,7 @@ from orchestrator.launchers.base import (
     SubmitUncertain,
     TaskRejected,
 )
-from orchestrator.store import records, repo, work
+from orchestrator.store import agents, records, repo, work
 from orchestrator.store.intake import IntakeLog
 from orchestrator.store.models import Attempt
 from orchestrator.store.snapshot import (
@@ -120,14 +120,21 @@ class Reconciler:
             self._thread.join(timeout)
 
     def _run(self) -> None:
+        fast = 0
         while not self._stop.is_set():
+            busy = False
             try:
                 if self.acquire_lease():
-                    self.tick()
+                    busy = self.tick()
             except Exception:  # one bad tick must not end recovery for every job
                 self.epoch = None  # a broken connection proves nothing: re-read the lease
                 log.exception("reconciler tick failed")
-            self._stop.wait(self.interval_s)
+            # A tick that applied actions (a protocol step started or ended) is followed
+            # at once by the next, so a recovery's steps do not each wait out the
+            # interval; a run of such ticks is capped, so a job whose decide keeps
+            # answering with an action cannot spin the loop.
+            fast = fast + 1 if busy and fast < FAST_TICKS else 0
+            self._stop.wait(FAST_TICK_WAIT_S if fast else self.interval_s)
 
     def acquire_lease(self, now: datetime | None = None) -> bool:
         with self.sessionmaker() as s:
@@ -137,16 +144,18 @@ class Reconciler:
         self.epoch = epoch
         return epoch is not None
 
-    def tick(self) -> None:
+    def tick(self) -> bool:
+        """One round over every job; True when some job's round applied an action."""
         with self.sessionmaker() as s:
             ids = work.jobs_to_reconcile(s)
             self.intake.sample(s, repo.utcnow())
         self.progress.keep(ids)
+        busy = False
         for job_id in ids:
             if self.epoch is None:  # lost the lease during this tick: the new leader goes on
-                return
+                return busy
             try:
-                self.reconcile(job_id)
+                busy = bool(self.reconcile(job_id)) or busy
             except Exception:
                 log.exception("job %s: reconcile failed", job_id)
         now = repo.utcnow()
@@ -158,6 +167,7 @@ class Reconciler:
                 self.finish_teardowns(now)
             except Exception:
                 log.exception("confirming teardowns failed")
+        return busy
 
     def reconcile(self, job_id: str, now: datetime | None = None) -> list[rc.Action]:
         """One gather -> decide -> apply round for one job, fenced by the lease; returns
@@ -289,6 +299,8 @@ class Reconciler:
                 work.start_step(s, job_id, i, step, now)
             case rc.FinishStep(incident_id=i, step=step, outcome=o, detail=d, result=r):
                 work.finish_step(s, i, step, o, d, now, result=r)
+            case rc.HoldWarm(attempt=number, node_ids=ids):
+                agents.hold_nodes(s, job_id, number, ids)
             case rc.SendCommand(attempt=number, type=type_, args=args):
                 work.enqueue_command(s, job_id, number, type_, dict(args), now)
             case rc.Release(attempt=number, reason=reason, keep_nodes=keep, release_nodes=gone):
@@ -501,6 +513,8 @@ class Reconciler:
         work.attempt_started(s, a, parts, now, verb)
         if shrink is not None:
             work.spare_launched(s, a, shrink.spare, shrink.refused, now)
+            if shrink.carry and previous is not None:
+                self._send_regroups(s, previous, a, plan, shrink.carry, spec.ranks_per_node, now)
 
     def _ask(
         self, verb: rc.LaunchVerb, request: LaunchRequest, previous: Attempt | None,
@@ -572,10 +586,19 @@ class Reconciler:
             raise LaunchError("a shrink needs the last attempt's kept nodes, and none are recorded")
         n = request.placement.num_nodes
         k = plan.train_nodes or len(plan.keep)
-        group = replace(request, placement=replace(request.placement, num_nodes=k))
-        parts = self._join_survivors(s, group, previous, plan.keep, plan.keep_hosts)
+        carry = ""
+        if plan.warm:
+            # Carried: the kept nodes' launches go on as they are (their agents and
+            # ranks live); each is handed its membership once the attempt is recorded.
+            carry = work.node_address(s, previous.job_id, previous.number, plan.keep[0]) or ""
+            if not carry:
+                raise LaunchError(f"no address known for kept node {plan.keep[0]}: cannot regroup")
+            parts = _kept_parts(previous, plan.keep)
+        else:
+            group = replace(request, placement=replace(request.placement, num_nodes=k))
+            parts = self._join_survivors(s, group, previous, plan.keep, plan.keep_hosts)
         if k >= n:
-            return _Shrink(parts)
+            return _Shrink(parts, carry=carry)
         # Told the group's rendezvous (a kept node's address): a launcher that places
         # nodes one by one puts the spare beside the group (SkyPilot's node grouping
         # pins it to the survivor's zone); the grow restarts it with the same address.
@@ -591,8 +614,39 @@ class Reconciler:
         except SubmitUncertain:
             raise  # asked again, with the same keys, on the next tick
         except LaunchError as e:
-            return _Shrink(parts, refused=str(e) or type(e).__name__)
-        return _Shrink(parts, spare)
+            return _Shrink(parts, refused=str(e) or type(e).__name__, carry=carry)
+        return _Shrink(parts, spare, carry=carry)
+
+    @staticmethod
+    def _send_regroups(
+        s: Session, previous: Attempt, a: Attempt, plan: records.LaunchPlan, address: str,
+        ranks_per_node: int, now: datetime,
+    ) -> None:  # fmt: skip
+        """A warm shrink: each kept node, held at ``previous``, gets a ``regroup``
+        command there naming its place in attempt ``a``'s group (node ranks in keep
+        order; global rank 0 on the first kept node, at ``address``, where the service
+        saw its agent, on a port new to this generation)."""
+        k = len(plan.keep)
+        for rank, node_id in enumerate(plan.keep):
+            m = Membership(
+                generation=a.number,
+                world_size=k * ranks_per_node,
+                node_rank=rank,
+                nnodes=k,
+                nproc_per_node=ranks_per_node,
+                master_addr=address,
+                master_port=regroup_port(a.number),
+                resume_step=a.resume_step,
+            )
+            args = {
+                "attempt": a.number,
+                "membership": m.to_doc(),
+                "stage_from": plan.stage_from,
+                "resume_from": plan.resume_from,
+            }
+            work.enqueue_command(
+                s, a.job_id, previous.number, CommandType.REGROUP, args, now, node_id=node_id
+            )
 
     @staticmethod
     def _part_request(
@@ -608,12 +662,46 @@ class Reconciler:
 
 @dataclass(frozen=True)
 class _Shrink:
-    """What a shrink's launch started: the training group's restarts, and the standby
-    launch (None when it was refused, and why)."""
+    """What a shrink's launch started: the training group's restarts (or, carried
+    warm, its launches as they were), and the standby launch (None when it was
+    refused, and why)."""
 
     group: list[LaunchHandle]
     spare: LaunchHandle | None = None
     refused: str = ""
+    carry: str = ""
+    """Carried warm: the group's rendezvous address (the first kept node's)."""
+
+
+#: After a tick that applied actions, the next starts after this long instead of the
+#: interval, for at most this many ticks in a row.
+FAST_TICK_WAIT_S = 0.02
+FAST_TICKS = 20
+
+
+#: A warm group's rendezvous port is this plus its generation modulo the span: new per
+#: generation (the group left may still hold its own), clear of torchrun's 29500 and
+#: the health check's 29501 that the first launch used.
+REGROUP_PORT_BASE = 29600
+REGROUP_PORT_SPAN = 400
+
+
+def regroup_port(generation: int) -> int:
+    return REGROUP_PORT_BASE + generation % REGROUP_PORT_SPAN
+
+
+def _kept_parts(previous: Attempt, keep: tuple[str, ...]) -> list[LaunchHandle]:
+    """The last attempt's launches cut to the kept nodes, in node-rank order: what a
+    carried group runs on, nothing asked of the launcher."""
+    parts = []
+    for part in parts_of(previous):
+        ids = [x for x in part.node_ids if x in keep]
+        if ids:
+            hosts = [h for x, h in zip(part.node_ids, part.hosts, strict=False) if x in keep]
+            parts.append(replace(part, node_ids=tuple(ids), hosts=tuple(hosts)))
+    if sorted(x for p in parts for x in p.node_ids) != sorted(keep):
+        raise LaunchError(f"a carried shrink needs every kept node's launch; found {parts}")
+    return parts
 
 
 #: ``SKYRESUME_CRASH_AT``: the crash-safety harness (bench/crashsafe.py) sets it to

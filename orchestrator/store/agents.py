@@ -83,6 +83,44 @@ def _require_current(session: Session, job_id: str, attempt: int) -> None:
         raise NotCurrent(f"attempt {attempt} of job {job_id} is not the current attempt")
 
 
+#: An attempt's ``knobs`` key: the node ids its SIGNAL held warm (``HoldWarm``). Their
+#: agents keep beating and polling that attempt's commands after it ended, until a
+#: ``regroup`` command carries them into the next one (their register there moves the
+#: node row on), or they are torn down, or the job ends. On the attempt row, which only
+#: the reconciler writes: a node row's progress is rewritten by every heartbeat flush.
+HELD_KEY = "held"
+
+
+def held_ids(a: Attempt) -> frozenset[str]:
+    raw = (a.knobs or {}).get(HELD_KEY)
+    return frozenset(x for x in raw if isinstance(x, str)) if isinstance(raw, list) else frozenset()
+
+
+def hold_nodes(session: Session, job_id: str, attempt: int, node_ids: Iterable[str]) -> None:
+    """Record ``node_ids`` of ``attempt`` as held warm."""
+    a = session.scalars(
+        select(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt)
+    ).first()
+    if a is None:
+        raise NotCurrent(f"job {job_id} has no attempt {attempt}")
+    a.knobs = {**(a.knobs or {}), HELD_KEY: sorted(held_ids(a) | set(node_ids))}
+    session.flush()
+
+
+def is_held(session: Session, job_id: str, attempt: int, node_id: str) -> bool:
+    """``node_id`` is held warm at ``attempt`` (the attempt may have ended), has not
+    moved on, and the job goes on: its agent is answered, not told it is superseded."""
+    a = session.scalars(
+        select(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt)
+    ).first()
+    if a is None or node_id not in held_ids(a):
+        return False
+    node = _node(session, job_id, node_id)
+    if node is None or node.attempt != attempt:
+        return False
+    return not JobStatus(repo.get_job(session, job_id).status).is_terminal()
+
+
 def _attempt_exists(session: Session, job_id: str, attempt: int) -> bool:
     q = select(func.count()).select_from(Attempt)
     q = q.where(Attempt.job_id == job_id, Attempt.number == attempt)
@@ -353,8 +391,12 @@ def commands_after(
 def poll_commands(
     session: Session, job_id: str, attempt: int, node_id: str, after: int
 ) -> list[NodeCommand]:
-    """One long-poll check: NotCurrent when the attempt is stale, else what is new."""
-    _require_current(session, job_id, attempt)
+    """One long-poll check: NotCurrent when the attempt is stale (unless the node is
+    held warm at it: its ``regroup`` comes there), else what is new."""
+    if not is_current_attempt(session, job_id, attempt) and not is_held(
+        session, job_id, attempt, node_id
+    ):
+        raise NotCurrent(f"attempt {attempt} of job {job_id} is not the current attempt")
     return commands_after(session, job_id, attempt, node_id, after)
 
 

@@ -78,6 +78,7 @@ def result_json(result: rc.StepResult) -> dict[str, Any]:
                 "keep": list(result.keep),
                 "keep_hosts": list(result.keep_hosts),
                 "train_nodes": result.train_nodes,
+                "warm": result.warm,
             }
         case rc.ConfirmedCheckpoint():
             out: dict[str, Any] = {"step": result.step, "uri": result.uri}
@@ -110,6 +111,7 @@ def selection_from_json(d: dict[str, Any]) -> rc.Selection:
         keep=_strs(d, "keep", where),
         keep_hosts=_strs(d, "keep_hosts", where),
         train_nodes=_opt_int(d, "train_nodes", where),
+        warm=d.get("warm") is True,
     )
 
 
@@ -151,6 +153,8 @@ class LaunchPlan:
     """Why a shrunk attempt's spares were given back (None: they were not)."""
     spare_cluster: str | None = None
     """The launch (``LaunchHandle.cluster_name``) that holds a shrunk attempt's spares."""
+    warm: bool = False
+    """A shrink whose kept nodes are carried warm (``regroup`` commands), not restarted."""
 
 
 def plan_json(action: rc.RecordAttempt) -> dict[str, Any]:
@@ -165,6 +169,7 @@ def plan_json(action: rc.RecordAttempt) -> dict[str, Any]:
         "keep": list(action.keep),
         "keep_hosts": list(action.keep_hosts),
         "train_nodes": action.train_nodes,
+        "warm": action.warm,
     }
 
 
@@ -189,6 +194,7 @@ def launch_plan_of(a: Attempt) -> LaunchPlan:
         train_nodes=_opt_int(k, "train_nodes", where),
         spare_released=str(k["spare_released"]) if k.get("spare_released") else None,
         spare_cluster=str(k["spare_cluster"]) if k.get("spare_cluster") else None,
+        warm=k.get("warm") is True,
     )
 
 

@@ -47,6 +47,7 @@ from orchestrator.domain.status import JobStatus
 from orchestrator.launchers.base import Launcher, LaunchHandle
 from orchestrator.launchers.user_task import pin_stored_text
 from orchestrator.store import intake, liveness, records, repo
+from orchestrator.store.agents import held_ids
 from orchestrator.store.models import Attempt, FailureEvent, Job, Node
 from orchestrator.store.models import ProtocolStep as StepRow
 
@@ -421,6 +422,7 @@ def _progress_view(n: Any, prog: dict[str, Any]) -> rc.NodeView:
             if isinstance(r.get("cpu_idle_s"), int | float)
             else None,
             max_steps=_int_or_none(r.get("max_steps")),
+            regrouping=_int_or_none(r.get("regrouping")),
         )
         for r in prog.get("ranks", []) or []
         if isinstance(r, dict)
@@ -493,6 +495,7 @@ def _attempt_view(
     # The live view: this replica's heartbeats not yet flushed are newer than SQL, and
     # a node must never look silent because its beat is sitting in a batch.
     live = liveness.live_of(s)
+    held_warm = held_ids(a)
     seen: dict[str, _Seen] = {}
     last_seen = parsed.of(job_id) if parsed is not None else {}
     for n in nodes:
@@ -503,10 +506,11 @@ def _attempt_view(
         alive = None if alive_ids is None else n.node_id in alive_ids
         exited = ev is not None or liveness.seen_state(n.state, beat) == NodeState.EXITED
         host = hosts.get(n.node_id) or n.address
+        held = n.node_id in held_warm
         # What the view is made of: the progress (its stored text and any newer beat in
         # memory), then the rest (an exit event's row is never updated: its id names it).
         key = (n.attempt, n.node_rank, n.progress, beat)
-        rest = (last, alive, exited, ev.id if ev is not None else None, host)
+        rest = (last, alive, exited, ev.id if ev is not None else None, host, held)
         known = last_seen.get(n.node_id)
         if known is not None and known[0] == key and known[1] == rest:
             view = known[2]  # unchanged since the last tick: 2,048 nodes a tick (issue 25)
@@ -529,6 +533,7 @@ def _attempt_view(
                 if ev is not None
                 else "",
                 host=host,
+                held=held,
             )
         seen[n.node_id] = (key, rest, view)
         views.append(view)

@@ -97,6 +97,9 @@ def life(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             time.sleep(2)
         out["instances_left"] = [i["InstanceId"] for i in loop.instances()]
         out["sky_clusters_left"] = loop.sky_status()
+        lost = out["incidents"][0] if out["incidents"] else {}
+        signal = next((x["detail"] for x in lost.get("steps", []) if x["step"] == "signal"), "")
+        out["survivor_held_warm"] = "held warm" in (signal or "")
         figures = {k: v for k, v in out.items() if k not in ("incidents", "attempts", "events")}
         print(f"skypilot elastic figures: {json.dumps(figures)}")
         return out

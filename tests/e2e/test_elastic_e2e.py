@@ -120,9 +120,15 @@ def test_three_nodes_shrink_to_two_at_once_and_grow_back_seeing_every_sample_onc
     assert lost["failure_class"] == "node_lost" and lost["node_id"] == killed["node_id"]
     assert "train at once as a group of 2" in step_detail(lost, "select_replacement")
     assert (lost["planned"], lost["launch_verb"], lost["train_nodes"]) == (False, "shrink", 2)
+    # Warm: the survivors' ranks left the broken group and waited; SIGNAL held them and
+    # the shrink carried them (their processes re-formed the group, below).
+    assert "held warm, not stopped" in step_detail(lost, "signal")
+    assert "carried warm" in step_detail(lost, "select_replacement")
     assert grow["planned"] is True  # a reshape, not a failure
     assert "launching beside as standby" in step_detail(lost, "launch")
-    assert [len(a["nodes"]) for a in attempts][:1] == [3]
+    # attempt 1 had 3 nodes: the lost one, and the 2 carried on (listed where they are now)
+    assert len(attempts[0]["nodes"]) + len(attempts[0]["carried"]) == 3
+    assert len(attempts[0]["carried"]) == 2
     # The grow: a save at the step boundary (no step lost), every node kept.
     assert grow["failure_class"] == "elastic_grow"
     assert "restart in place as one group of 3" in step_detail(grow, "select_replacement")
@@ -145,6 +151,11 @@ def test_three_nodes_shrink_to_two_at_once_and_grow_back_seeing_every_sample_onc
     # 3 ranks, then 2 from the confirmed checkpoint, then 3 again
     phases = [w for i, w in enumerate(worlds) if i == 0 or worlds[i - 1] != w]
     assert phases == [3, 2, 3], worlds
+    # The shrunk group ran in the survivors' own processes, torch and the model kept.
+    shrank_at = worlds.index(2)
+    first = {r["pid"] for step in range(shrank_at) for r in got[step]}
+    shrunk = {r["pid"] for step in range(STEPS) if worlds[step] == 2 for r in got[step]}
+    assert len(shrunk) == 2 and shrunk <= first, (shrunk, first)
     # Losses: the same samples and weights each step; only the gradient's sum order
     # differs (2 ranks of 6 or 3 of 4 samples, gloo's ring), so float32 sums differ by
     # ~1e-7 a step: well under 1e-3 over the run.
