@@ -115,7 +115,9 @@ def phases(attempts: list[dict[str, Any]]) -> list[Phase]:
             Phase(
                 attempt=a["number"],
                 verb=a["launch_verb"],
-                training=sum(1 for n in a["nodes"] if n["ranks"]),
+                # A warm shrink carried some of its nodes on into the next attempt: each
+                # node is listed once, where it is now, and named here in ``carried``.
+                training=sum(1 for n in a["nodes"] if n["ranks"]) + len(a.get("carried") or []),
                 standby=sum(1 for n in a["nodes"] if not n["ranks"]),
                 first_step=start or 0,
                 last_step=max(steps),
