@@ -120,21 +120,14 @@ class Reconciler:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        fast = 0
         while not self._stop.is_set():
-            busy = False
             try:
                 if self.acquire_lease():
-                    busy = self.tick()
+                    self.tick()
             except Exception:  # one bad tick must not end recovery for every job
                 self.epoch = None  # a broken connection proves nothing: re-read the lease
                 log.exception("reconciler tick failed")
-            # A tick that applied actions (a protocol step started or ended) is followed
-            # at once by the next, so a recovery's steps do not each wait out the
-            # interval; a run of such ticks is capped, so a job whose decide keeps
-            # answering with an action cannot spin the loop.
-            fast = fast + 1 if busy and fast < FAST_TICKS else 0
-            self._stop.wait(FAST_TICK_WAIT_S if fast else self.interval_s)
+            self._stop.wait(self.interval_s)
 
     def acquire_lease(self, now: datetime | None = None) -> bool:
         with self.sessionmaker() as s:
@@ -671,12 +664,6 @@ class _Shrink:
     refused: str = ""
     carry: str = ""
     """Carried warm: the group's rendezvous address (the first kept node's)."""
-
-
-#: After a tick that applied actions, the next starts after this long instead of the
-#: interval, for at most this many ticks in a row.
-FAST_TICK_WAIT_S = 0.02
-FAST_TICKS = 20
 
 
 #: A warm group's rendezvous port is this plus its generation modulo the span: new per
