@@ -27,6 +27,9 @@ reclaimed at once sends no FIN), after the group's timeout:
     RuntimeError: [.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting
     5000ms for recv operation to complete
 
+(and on the rank's other operations of the same context, which gloo closes with it:
+``RuntimeError: Application timeout caused pair closure``)
+
 The same texts reach Run wrapped: ``CheckpointError`` (a background save whose
 collective failed, as its ``__cause__``) and DCP's ``CheckpointException`` (a
 ``BaseException``, holding each rank's error in ``failures``), so the causes are
@@ -57,7 +60,14 @@ PEER_LOST_PATTERNS = (
     re.compile(r"Broken pipe"),
     re.compile(r"failed to recv, got 0 bytes"),
 )
-PEER_TIMEOUT_PATTERNS = (re.compile(r"Timed out waiting \d+ms for (recv|send) operation"),)
+#: A timed-out recv also closes every other pair of the context, and an operation on
+#: one of those raises "Application timeout caused pair closure" (gloo's
+#: transport/tcp/unbound_buffer.cc, ``context_->signalException``): seen here on a
+#: survivor in DDP's backward, a peer SIGKILLed on a loaded machine.
+PEER_TIMEOUT_PATTERNS = (
+    re.compile(r"Timed out waiting \d+ms for (recv|send) operation"),
+    re.compile(r"Application timeout caused pair closure"),
+)
 
 #: How deep the causes of one exception are walked (a cycle ends it sooner).
 _MAX_DEPTH = 8

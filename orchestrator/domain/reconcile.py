@@ -889,11 +889,21 @@ def _after_hearsay(s: JobSnapshot, a: AttemptView, failures: tuple[Failure, ...]
     The reporter is the witness, not the lost node; an incident named after it gave
     back the survivor and kept the dead node (seen on the emulated AWS with one
     cluster per node: the survivor's cluster downed, the join failed, a fresh
-    launch, 143 s)."""
-    if not failures or not all(hearsay(f) for f in failures):
+    launch, 143 s).
+
+    Hearsay beside a rank's own error waits too while some node is still silent: the
+    rank that crashed and a rank of its own node that read the broken pairs spoke
+    first, the other nodes not yet (seen here on a loaded machine: rank 0's transport
+    error and rank 1's "closed by peer", both on node 0, node 1 a second later; named
+    node_lost, the live node 0 was replaced). Once every node has spoken,
+    :func:`primary_cause` sets the hearsay aside."""
+    heard = [f for f in failures if hearsay(f)]
+    if not heard:
+        return None
+    if len(heard) < len(failures) and _all_nodes_spoke(failures, _node_ids(a)):
         return None
     silent = _silent_nodes(a, failures)
-    first = min(failures, key=lambda f: (f.occurred_at, f.event_id))
+    first = min(heard, key=lambda f: (f.occurred_at, f.event_id))
     if (s.now - first.occurred_at).total_seconds() < cfg.hearsay_wait_s:
         return []
     if len(silent) != 1:

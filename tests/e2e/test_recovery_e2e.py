@@ -164,12 +164,16 @@ def test_a_killed_agent_is_a_lost_node_and_its_orphaned_ranks_are_cleaned_up(ser
     job = _submit(http, tmp_path, 400, heartbeat_timeout_s=8, grace_period_s=10)
     end = time.monotonic() + 600
     wait_for(http, job, "step 15", lambda st, n, v, step: v is not None and step >= 15, end)
-    node1 = api_get(http, f"/v1/jobs/{job}/attempts")["items"][0]["nodes"][1]["node_id"]
+    # The attempt training now: on a loaded machine an earlier one may have ended already.
+    now = api_get(http, f"/v1/jobs/{job}/attempts")["items"][-1]
+    node1 = now["nodes"][1]["node_id"]
     api_post(http, f"/v1/jobs/{job}/chaos", {"action": "kill-agent", "node": 1})
     assert node_pids(job, node1), "the ranks outlive their agent"
-    wait_for(http, job, "a validated attempt 2", lambda st, n, v, step: n >= 2 and v, end)
-    (inc,) = api_get(http, f"/v1/jobs/{job}/incidents")["items"][:1]
-    assert inc["failure_class"] == "node_lost" and "no heartbeat" in inc["message"]
+    after = now["number"] + 1
+    wait_for(http, job, f"attempt {after} validated", lambda st, n, v, s: n >= after and v, end)
+    incs = api_get(http, f"/v1/jobs/{job}/incidents")["items"]
+    (inc,) = [i for i in incs if i["attempt"] == now["number"]]
+    assert inc["failure_class"] == "node_lost" and "no heartbeat" in inc["message"], inc
     assert node_pids(job, node1) == [], "the old node's orphaned ranks were killed"
     http.post(f"/v1/jobs/{job}/cancel")
 

@@ -5,6 +5,7 @@ read back from the incidents and attempts the API serves."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -135,7 +136,8 @@ def test_a_transport_error_restarts_in_place_on_the_same_hosts(service, tmp_path
     api_post(http, f"/v1/jobs/{job}/chaos", {"action": "transport", "node": 0, "rank": 0})
     validated_attempt(http, job, 2, end)
     (inc,) = incidents(http, job)[:1]
-    assert inc["failure_class"] == "nccl_transport" and inc["remedy"] == "restart_in_place"
+    named = (inc["failure_class"], inc["remedy"])
+    assert named == ("nccl_transport", "restart_in_place"), json.dumps(inc, indent=1)
     first, second = attempts(http, job)[:2]
     assert second["in_place"] and second["hosts"] == first["hosts"]
     launch = next(s for s in inc["steps"] if s["step"] == "launch")

@@ -392,6 +392,29 @@ def test_hearsay_from_every_node_waits_for_the_crashed_rank_s_own_report():
     assert isinstance(out[0], rc.OpenIncident) and out[0].cause.failure_class is F.NODE_LOST
 
 
+def test_hearsay_beside_the_crashed_rank_s_own_error_waits_for_the_silent_node():
+    """Seen here on a loaded machine: rank 0's transport error and rank 1's "closed by
+    peer" (both node 0) reached the service while node 1 had not spoken yet. Opened at
+    once, the hearsay named the incident node_lost and the live node 0 was replaced;
+    the service waits for node 1, then the transport error names it."""
+    cfg = rc.ReconcileConfig()
+
+    def said(cls, node_id, code, id_, age):  # type: ignore[no-untyped-def]
+        return replace(failure(cls, "rank_exit", node_id, code=code, id_=id_), occurred_at=ago(age))
+
+    transport = said(F.NCCL_TRANSPORT, "j-a1-n0", -6, 4, 1)
+    heard = said(F.NODE_LOST, "j-a1-n0", -15, 5, 1)
+    assert rc.decide(snap(failures=(transport, heard)), cfg) == []
+    peer = said(F.NODE_LOST, "j-a1-n1", 1, 6, 0.5)
+    out = rc.decide(snap(failures=(transport, heard, peer)), cfg)
+    assert isinstance(out[0], rc.OpenIncident)
+    assert out[0].cause == transport and set(out[0].consequences) == {5, 6}
+    # Node 1 still silent past the wait: it is the node the peers heard crash.
+    late = tuple(replace(f, occurred_at=ago(cfg.hearsay_wait_s + 1)) for f in (transport, heard))
+    (rec,) = rc.decide(snap(failures=late), cfg)
+    assert isinstance(rec, rc.RecordFailure) and rec.node_id == "j-a1-n1"
+
+
 def test_a_rank_s_oom_names_the_incident_over_its_peers_timeouts():
     timeout = failure(F.NCCL_TIMEOUT, "rank_exit", "j-a1-n0", code=1, id_=4)
     oom = failure(F.CUDA_OOM, "rank_exit", "j-a1-n1", code=1, id_=5)

@@ -68,6 +68,10 @@ GLOO_TIMEOUT = (
     "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
     "Timed out waiting 5000ms for recv operation to complete"
 )
+GLOO_PAIR_CLOSED = (  # another of the rank's operations on the timed-out context
+    "Got the following error when running the callback: RuntimeError: Application "
+    "timeout caused pair closure"
+)
 
 
 def _peer_gone(text: str) -> bool:
@@ -101,6 +105,7 @@ def _transport_error() -> BaseException:
         (lambda: RuntimeError(GLOO_CLOSED), RegroupReason.PEER_LOST),
         (lambda: RuntimeError(GLOO_RESET), RegroupReason.PEER_LOST),
         (lambda: RuntimeError(GLOO_TIMEOUT), RegroupReason.PEER_TIMEOUT),
+        (lambda: RuntimeError(GLOO_PAIR_CLOSED), RegroupReason.PEER_TIMEOUT),
         (lambda: _chained(CheckpointError("save of step 8 failed: x"), RuntimeError(GLOO_CLOSED)),
          RegroupReason.PEER_LOST),
         (lambda: _DcpFailure({1: (RuntimeError(GLOO_CLOSED), None)}), RegroupReason.PEER_LOST),
@@ -112,7 +117,8 @@ def _transport_error() -> BaseException:
         (_transport_error, None),  # NCCL's: its own error handling ends the process
     ],
     ids=[
-        "gloo-closed", "gloo-reset", "gloo-timeout", "background-save-cause", "dcp-failures",
+        "gloo-closed", "gloo-reset", "gloo-timeout", "gloo-pair-closed", "background-save-cause",
+        "dcp-failures",
         "user-keyerror", "oom", "not-a-runtime-error", "run-exit", "ctrl-c", "nccl-transport",
     ],
 )  # fmt: skip
