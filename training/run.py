@@ -31,7 +31,9 @@ in the same order; that is what makes the agreements below safe):
 
 Exits are ``RunExit`` (a ``SystemExit``) carrying the contract's code, raised on
 every rank at the same point, after an ``exit`` datagram; uncaught, the process
-exits with that code, which is what the agent reads.
+exits with that code, which is what the agent reads. The flag-only SIGTERM handler
+stays installed through that exit, so a second SIGTERM (torchrun forwards one) cannot
+turn a saved rank's 75 into -15.
 
 Chaos faults from the control file (``training.chaos``) are taken at the step
 boundary after a poll; the ones that kill a rank raise there, uncaught.
@@ -1433,7 +1435,13 @@ class Run:
         self.reporter.send("exit", code=int(code), reason=reason)
         if code != ExitCode.PREEMPTED_SAVED:
             print(f"rank {self.rank}: error: {reason}", file=sys.stderr)
-        self._stop.restore()
+        # The flag-only handler stays until the process is gone, over any framework's:
+        # torchrun forwards the agent's SIGTERM, so a second one can come while this rank
+        # unwinds and shuts the interpreter down, and a default handler put back here
+        # would end a rank that saved at -15 instead of ``code``, which the agent reads
+        # as killed before it saved. A caller that catches RunExit and goes on calls
+        # ``release_signals()``.
+        self._stop.reinstall()
         raise RunExit(code, reason)
 
     # --- for framework integrations (training.integrations) ---------------------------
@@ -1511,7 +1519,8 @@ class Run:
         self._last_saved = step
 
     def exit_with(self, code: ExitCode, reason: str) -> None:
-        """The ``exit`` datagram, the signal handlers put back, then ``RunExit(code)``."""
+        """The ``exit`` datagram, then ``RunExit(code)``; Run's flag-only handler stays
+        installed (see ``_exit``)."""
         self._exit(code, reason)
 
     def take_signals(self) -> None:

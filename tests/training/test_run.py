@@ -1,12 +1,15 @@
 """The Run facade in one process (no torchrun): stop -> emergency save -> 75 and an
 exact resume, the exit codes of bad resumes, NaN before the update, and the
-environment contract. Multi-rank behaviour is in test_run_torchrun.py."""
+environment contract; one real process for an exit through a second SIGTERM
+(exit_worker.py). Multi-rank behaviour is in test_run_torchrun.py."""
 
 from __future__ import annotations
 
 import os
 import random
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -77,6 +80,34 @@ def test_sigterm_saves_exits_75_and_the_resume_is_exact(tmp_path):
     assert draws == base_draws[6:]
     for a, b in zip(base, _weights(model), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_rank_that_saved_on_sigterm_still_exits_75_through_a_second_sigterm(tmp_path):
+    """torchrun forwards the agent's SIGTERM, so a rank may get a second one while it
+    exits after its save: a default handler put back by then would end it at -15, a
+    death the agent cannot tell from a rank killed before it saved. A real process,
+    told over stdin when each signal has been sent (no sleeps)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("exit_worker.py")), str(tmp_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        assert proc.stdout.readline() == "training\n"
+        proc.send_signal(signal.SIGTERM)
+        proc.stdin.write("go on\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == "exiting\n"  # RunExit raised, the save done
+        proc.send_signal(signal.SIGTERM)  # the second one, forwarded
+        proc.stdin.write("exit now\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=120) == ExitCode.PREEMPTED_SAVED
+    finally:
+        proc.kill()
+        proc.wait()
+    found = find_latest_complete(tmp_path)
+    assert found is not None and found.manifest.step == 2  # the step after the signal
 
 
 def test_damaged_newest_falls_back_and_an_explicit_damaged_path_exits_78(tmp_path, capfd):
