@@ -42,8 +42,8 @@ from orchestrator.dashboard import auth, charts
 from orchestrator.domain.failures import FailureClass
 from orchestrator.domain.status import JobStatus
 from orchestrator.store import repo
-from orchestrator.store.goodput import JobGoodput, fleet_incidents, is_planned, job_goodput
-from orchestrator.store.incidents import incidents
+from orchestrator.store.goodput import JobGoodput, fleet_incidents, job_goodput
+from orchestrator.store.incidents import incidents, is_planned
 from orchestrator.store.live_view import job_live
 from orchestrator.store.models import FailureEvent, Job, ProtocolStep
 from orchestrator.store.series import JobSeries, job_series

@@ -99,11 +99,13 @@ from orchestrator.domain.protocol import ORDER, ProtocolStep, StepOutcome
 from orchestrator.domain.spec import JobSpec
 from orchestrator.domain.status import JobStatus
 from orchestrator.store import repo
-from orchestrator.store.incidents import IncidentRecord, failed_and_recovering, incident_records
-
-# Re-exported: store/work.py reads both from here, the dashboard is_planned.
-from orchestrator.store.incidents import is_planned as is_planned
-from orchestrator.store.incidents import rank_values as rank_values
+from orchestrator.store.incidents import (
+    IncidentRecord,
+    failed_and_recovering,
+    incident_records,
+    is_planned,
+    rank_values,
+)
 from orchestrator.store.models import Attempt, FailureEvent, Node, ProgressSample
 from orchestrator.store.models import ProtocolStep as ProtocolStepRow
 from orchestrator.store.shape import AttemptShape, attempt_shape, spare_releases

@@ -24,7 +24,7 @@ from orchestrator.domain.spec import JobSpec
 from orchestrator.domain.status import TERMINAL
 from orchestrator.launchers.base import LaunchHandle
 from orchestrator.store import records, repo
-from orchestrator.store.goodput import is_planned, rank_values
+from orchestrator.store.incidents import incidents, is_planned, rank_values
 from orchestrator.store.models import Attempt, FailureEvent, Job, Lease, Node, NodeCommand
 from orchestrator.store.models import ProtocolStep as StepRow
 from orchestrator.store.shape import attempt_shape
@@ -561,7 +561,6 @@ def interval_facts(
     s: Session, job_id: str, number: int, default_every: int, now: datetime
 ) -> IntervalFacts:
     from orchestrator.domain.advisor import Exposure, PlacementKey
-    from orchestrator.store.incidents import incidents
 
     step_times = [
         v
