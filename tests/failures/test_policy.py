@@ -66,7 +66,7 @@ def test_other_failures_between_do_not_hide_the_repeat() -> None:
         PastIncident(F.PREEMPTION_NOTICE),
         PastIncident(F.NCCL_TIMEOUT),
     ]
-    assert refused(F.USER_CODE_ERROR, "E", past) is not None
+    assert refused(F.USER_CODE_ERROR, "E", past) == "the same user code error 2 times: E"
 
 
 def test_repeated_preemptions_never_fail_fast() -> None:
