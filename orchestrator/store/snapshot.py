@@ -463,15 +463,18 @@ def _attempt_view(
     nodes = s.execute(
         select(*NODE_COLUMNS).where(Node.job_id == job_id, Node.attempt == a.number)
     ).all()
+    # By the attempt the exit was reported in: a node a warm shrink carried keeps the
+    # id it was launched with (``{job}-a1-n0`` in attempt 2).
     exits = {
         e.node_id: e
         for e in s.scalars(
             select(FailureEvent).where(
                 FailureEvent.job_id == job_id,
                 FailureEvent.kind == EventKind.NODE_EXIT,
-                FailureEvent.node_id.like(f"{job_id}-a{a.number}-%"),
+                FailureEvent.node_id.in_([n.node_id for n in nodes]),
             )
         )
+        if of_attempt(e, job_id, a.number)
     }
     up_at = _when(a.handle, "up_at")
     provision = None
@@ -627,6 +630,16 @@ def _attempt_view(
     )
 
 
+def of_attempt(e: FailureEvent, job_id: str, number: int) -> bool:
+    """Whether event ``e`` belongs to attempt ``number``: the attempt it was reported in
+    (``details["attempt"]``); only an event without one is placed by its node id's
+    ``-a{N}-`` (a node carried warm keeps the id of the attempt that launched it)."""
+    named = (e.details or {}).get("attempt")
+    if isinstance(named, int):
+        return named == number
+    return e.node_id is not None and e.node_id.startswith(f"{job_id}-a{number}-")
+
+
 def _failures(
     s: Session, job_id: str, number: int, nodes_of_ranks: dict[int, str]
 ) -> list[rc.Failure]:
@@ -640,12 +653,9 @@ def _failures(
     )
     out = []
     for e in rows:
-        d = e.details or {}
-        of_attempt = d.get("attempt") == number or (
-            e.node_id is not None and e.node_id.startswith(f"{job_id}-a{number}-")
-        )
-        if not of_attempt:
+        if not of_attempt(e, job_id, number):
             continue
+        d = e.details or {}
         code = d.get("exit_code")
         if e.kind == EventKind.RANK_EXIT and code in rc.CLEAN_EXITS and not d.get("signal"):
             continue

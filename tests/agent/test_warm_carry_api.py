@@ -5,14 +5,17 @@ moves the node and ends the hold."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import pytest
 from conftest import add_attempt, set_attempt_state
 from test_agent_api import AGENT, base, enqueue, register
-from testkit import job_spec
+from testkit import FakeLauncher, job_spec
 
 from orchestrator.api.auth import node_token
 from orchestrator.contract import CommandType
 from orchestrator.store import agents
+from orchestrator.store.snapshot import _failures, gather_snapshot
 
 
 @pytest.fixture
@@ -66,9 +69,7 @@ def test_a_regroup_carries_the_next_attempts_token_for_its_own_node_only(client,
         assert "agent_token" not in row.args
 
     agent = {"Authorization": f"Bearer {token}"}
-    other = client.post(
-        base(job, 2, "n1") + "/heartbeat", json={"state": "running"}, headers=agent
-    )
+    other = client.post(base(job, 2, "n1") + "/heartbeat", json={"state": "running"}, headers=agent)
     assert other.status_code == 401  # another node's routes stay closed to it
     body = {"node_rank": 0, "hostname": "h", "ranks": [], **AGENT}
     moved = client.post(base(job, 2, "n0") + "/register", json=body, headers=agent)
@@ -79,3 +80,33 @@ def test_a_regroup_carries_the_next_attempts_token_for_its_own_node_only(client,
         assert not agents.is_held(s, job, 1, "n0")
     # moved on: the attempt it left is over for it
     assert client.get(base(job, node="n0") + "/commands", params={"wait": 0}).status_code == 409
+
+
+def test_a_carried_node_s_exit_and_crash_count_in_the_attempt_it_is_in_now(
+    client, job_id, tmp_path
+):
+    """The node keeps the id it was launched with (``{job}-a1-n0``) in attempt 2: what it
+    reports there is attempt 2's (its exit makes it exited in attempt 2's view, its
+    crash is attempt 2's failure), never attempt 1's."""
+    job = job_id
+    nid = f"{job}-a1-n0"
+    assert register(client, job, node=nid).status_code == 200
+    hold(client, job, 1, nid)
+    set_attempt_state(client.app.state.sessionmaker, job, 1, "ended")
+    add_attempt(client.app.state.sessionmaker, job, 2)
+    agent = {"Authorization": f"Bearer {node_token(client.app.state.token, job, 2, nid)}"}
+    body = {"node_rank": 0, "hostname": "h", "ranks": [], **AGENT}
+    assert client.post(base(job, 2, nid) + "/register", json=body, headers=agent).status_code == 200
+    crash = {"key": "rank_exit:0", "kind": "rank_exit", "rank": 0, "local_rank": 0,
+             "exit_code": 1, "signal": None, "log_tail": ["RuntimeError: boom"]}  # fmt: skip
+    done = {"key": "node_exit", "kind": "node_exit", "exit_code": 1, "reason": "ranks failed"}
+    for report in (crash, done):
+        r = client.post(base(job, 2, nid) + "/reports", json=report, headers=agent)
+        assert r.status_code == 200, r.text
+    with client.app.state.sessionmaker() as s:
+        snap, _ = gather_snapshot(s, job, datetime.now(UTC), FakeLauncher(root=tmp_path))
+        assert snap.attempt is not None and snap.attempt.number == 2
+        (node,) = snap.attempt.nodes
+        assert node.node_id == nid and node.exited
+        assert [f.node_id for f in _failures(s, job, 2, {})] == [nid]
+        assert _failures(s, job, 1, {}) == []
