@@ -19,7 +19,8 @@ marked, with its standby spares), and an ``elastic_grow`` incident is a planned
 reshape: shown, labelled as one, and left out of every count of failures (the jobs
 list's incidents, the fleet's failures by class and by place).
 
-Reads only; the figures come from :mod:`orchestrator.store.goodput`.
+Reads only; the figures come from :mod:`orchestrator.store.goodput`, the incidents
+from the one read model of them, :mod:`orchestrator.store.incidents`.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from urllib.parse import parse_qs, quote
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from orchestrator.api.deps import SessionDep
 from orchestrator.api.schemas import MAX_OFFSET
@@ -42,10 +43,15 @@ from orchestrator.dashboard import auth, charts
 from orchestrator.domain.failures import FailureClass
 from orchestrator.domain.status import JobStatus
 from orchestrator.store import repo
-from orchestrator.store.goodput import JobGoodput, fleet_incidents, job_goodput
-from orchestrator.store.incidents import incidents, is_planned
+from orchestrator.store.goodput import JobGoodput, job_goodput
+from orchestrator.store.incidents import (
+    fleet_incident_records,
+    fleet_incidents,
+    incidents,
+    is_planned,
+)
 from orchestrator.store.live_view import job_live
-from orchestrator.store.models import FailureEvent, Job, ProtocolStep
+from orchestrator.store.models import FailureEvent, Job
 from orchestrator.store.series import JobSeries, job_series
 
 _HERE = Path(__file__).resolve().parent
@@ -193,17 +199,9 @@ def jobs_page(
     # Failures and planned reshapes (elastic grows) apart: a grow is no failure.
     counts: Counter[str] = Counter()
     reshapes: Counter[str] = Counter()
-    for job_id, failure_class, n in session.execute(
-        select(
-            ProtocolStep.job_id,
-            FailureEvent.failure_class,
-            func.count(func.distinct(ProtocolStep.incident_id)),
-        )
-        .join(FailureEvent, FailureEvent.id == ProtocolStep.incident_id)
-        .where(ProtocolStep.job_id.in_(ids or [""]))
-        .group_by(ProtocolStep.job_id, FailureEvent.failure_class)
-    ).all():
-        (reshapes if is_planned(failure_class) else counts)[job_id] += n
+    for r in fleet_incident_records(session, job_ids=ids):
+        if r.has_protocol_steps:
+            (reshapes if is_planned(r.event.failure_class) else counts)[r.event.job_id] += 1
     now = datetime.now(UTC)
     rows = []
     for j in page.items:

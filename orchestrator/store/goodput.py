@@ -99,13 +99,7 @@ from orchestrator.domain.protocol import ORDER, ProtocolStep, StepOutcome
 from orchestrator.domain.spec import JobSpec
 from orchestrator.domain.status import JobStatus
 from orchestrator.store import repo
-from orchestrator.store.incidents import (
-    IncidentRecord,
-    failed_and_recovering,
-    incident_records,
-    is_planned,
-    rank_values,
-)
+from orchestrator.store.incidents import IncidentRecord, incident_records, is_planned, rank_values
 from orchestrator.store.models import Attempt, FailureEvent, Node, ProgressSample
 from orchestrator.store.models import ProtocolStep as ProtocolStepRow
 from orchestrator.store.shape import AttemptShape, attempt_shape, spare_releases
@@ -511,7 +505,9 @@ def _account_incidents(
     """The incidents that have known protocol steps, in the order they started, and
     when each ended (incident id -> the report's seconds)."""
     in_order = [
-        (r, sorted(r.steps, key=lambda row: (row.started_at, row.id))) for r in records if r.steps
+        (r, sorted(r.steps, key=lambda row: (row.started_at, row.id)))
+        for r in records
+        if r.has_protocol_steps
     ]
     in_order.sort(key=lambda pair: (pair[1][0].started_at, pair[0].event.id))
     incident_end: dict[int, float] = {}
@@ -750,51 +746,3 @@ def job_goodput(session: Session, job_id: str, *, now: datetime | None = None) -
         node_hours=sum(a.node_hours for a in attempt_reports),
         spare_node_hours=sum(a.spare_node_hours for a in attempt_reports),
     )
-
-
-@dataclass(frozen=True)
-class FleetIncident:
-    """One incident, placed where it happened (the attempt that failed)."""
-
-    job_id: str
-    incident_id: int
-    occurred_at: datetime
-    failure_class: str
-    cloud: str | None
-    region: str | None
-    instance_type: str | None
-
-
-def fleet_incidents(
-    session: Session, *, since: datetime | None = None, job_ids: Sequence[str] | None = None
-) -> list[FleetIncident]:
-    """Every incident of every job (or of ``job_ids``), oldest first."""
-    ids = select(ProtocolStepRow.incident_id).distinct()
-    q = select(FailureEvent).where(FailureEvent.id.in_(ids))
-    if since is not None:
-        q = q.where(FailureEvent.occurred_at >= since)
-    if job_ids is not None:
-        q = q.where(FailureEvent.job_id.in_(list(job_ids)))
-    events = list(session.scalars(q.order_by(FailureEvent.occurred_at, FailureEvent.id)))
-    jobs = {e.job_id for e in events}
-    attempts: dict[str, list[Attempt]] = defaultdict(list)
-    if jobs:
-        for a in session.scalars(
-            select(Attempt).where(Attempt.job_id.in_(jobs)).order_by(Attempt.number)
-        ):
-            attempts[a.job_id].append(a)
-    out = []
-    for e in events:
-        failed, _ = failed_and_recovering(attempts[e.job_id], e)
-        out.append(
-            FleetIncident(
-                e.job_id,
-                e.id,
-                _utc(e.occurred_at),
-                e.failure_class or FailureClass.UNKNOWN.value,
-                failed.cloud if failed else None,
-                failed.region if failed else None,
-                failed.instance_type if failed else None,
-            )
-        )
-    return out

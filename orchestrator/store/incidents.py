@@ -1,11 +1,13 @@
 """The read model of incidents: one row per failed attempt with its protocol steps.
 
-One read of a job's incidents (:func:`incident_records`) decides, once, which events
-are incidents, the order of their protocol steps, the attempt that failed, the ones
-that recover and the last step the failed one trained. Every view is built from it:
-the API (``/v1/jobs/{id}/incidents``), the CLI, the dashboard and the reconciler's
-interval advisor read :func:`incidents`; goodput (:mod:`orchestrator.store.goodput`)
-accounts the same records. Two readers that each decided "the failed attempt" for
+One read of incidents (:func:`incident_records` for a job, :func:`fleet_incident_records`
+across jobs, both through one query function) decides, once, which events are
+incidents, the order of their protocol steps, the attempt that failed, the ones that
+recover and the last step the failed one trained. Every view is built from it: the
+API (``/v1/jobs/{id}/incidents``), the CLI, the dashboard's job page and the
+reconciler's interval advisor read :func:`incidents`; the dashboard's jobs list counts
+and its fleet page (:func:`fleet_incidents`) places the same records; goodput
+(:mod:`orchestrator.store.goodput`) accounts them. Two readers that each decided "the failed attempt" for
 themselves could blame a different attempt for the same incident, and the incident
 table and the goodput page would disagree about its lost steps.
 
@@ -27,10 +29,10 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import ColumnElement, select
 from sqlalchemy.orm import Session
 
 from orchestrator.contract import EventKind
@@ -129,32 +131,72 @@ class IncidentRecord:
     last_step: int | None
     """The last step the failed attempt trained (:func:`failed_attempt_last_step`)."""
 
+    @property
+    def has_protocol_steps(self) -> bool:
+        """The reconciler recorded a protocol step for it (DETECT comes first). Only
+        these are counted: by goodput, the fleet page and the jobs list; the incident
+        list (:func:`incidents`) shows the others too."""
+        return bool(self.steps)
+
+
+#: Ids per ``IN (...)``: each is a bind parameter, and the backends cap how many one
+#: statement may carry (SQLite 32,766, PostgreSQL 65,535); the fleet's causes can be more.
+_IN_CHUNK = 1000
+
 
 def incident_records(s: Session, job_id: str) -> list[IncidentRecord]:
     """Every incident of a job, oldest (lowest id) first, in five queries."""
-    attempts = list(
-        s.scalars(select(Attempt).where(Attempt.job_id == job_id).order_by(Attempt.number))
-    )
-    rank_steps: dict[int, list[float]] = defaultdict(list)
-    for n in s.scalars(select(Node).where(Node.job_id == job_id)):
-        rank_steps[n.attempt] += rank_values(n.progress, "step")
-    events = list(
-        s.scalars(
-            select(FailureEvent)
-            .where(FailureEvent.job_id == job_id, FailureEvent.kind == EventKind.INCIDENT)
-            .order_by(FailureEvent.id)
-        )
-    )
-    ids = [e.id for e in events]
+    return _read_records(s, FailureEvent.job_id == job_id)
+
+
+def fleet_incident_records(
+    s: Session, *, since: datetime | None = None, job_ids: Sequence[str] | None = None
+) -> list[IncidentRecord]:
+    """Every incident of every job (or of ``job_ids``) that occurred at ``since`` or
+    later, oldest (lowest id) first, in five queries whatever the number of jobs."""
+    where: list[ColumnElement[bool]] = []
+    if since is not None:
+        where.append(FailureEvent.occurred_at >= since)
+    if job_ids is not None:
+        where.append(FailureEvent.job_id.in_(list(job_ids)))
+    return _read_records(s, *where)
+
+
+def _read_records(s: Session, *where: ColumnElement[bool]) -> list[IncidentRecord]:
+    """The one read of incidents: the ``incident`` events that match ``where``, with
+    their steps, causes and attempts. Every reader of incidents comes through here."""
+    is_incident = [FailureEvent.kind == EventKind.INCIDENT, *where]
+    events = list(s.scalars(select(FailureEvent).where(*is_incident).order_by(FailureEvent.id)))
+    if not events:
+        return []
+    jobs = sorted({e.job_id for e in events})
+    attempts: dict[str, list[Attempt]] = defaultdict(list)
+    for a in s.scalars(
+        select(Attempt).where(Attempt.job_id.in_(jobs)).order_by(Attempt.job_id, Attempt.number)
+    ):
+        attempts[a.job_id].append(a)
+    rank_steps: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for n in s.scalars(select(Node).where(Node.job_id.in_(jobs))):
+        rank_steps[(n.job_id, n.attempt)] += rank_values(n.progress, "step")
     steps: dict[int, list[StepRow]] = defaultdict(list)
-    for r in s.scalars(select(StepRow).where(StepRow.incident_id.in_(ids)).order_by(StepRow.id)):
+    for r in s.scalars(
+        select(StepRow)
+        .join(FailureEvent, FailureEvent.id == StepRow.incident_id)
+        .where(*is_incident)
+        .order_by(StepRow.id)
+    ):
         steps[r.incident_id].append(r)
     cause_of = {e.id: as_int((e.details or {}).get("cause_event_id")) for e in events}
-    wanted = [c for c in cause_of.values() if c is not None]
-    causes = {e.id: e for e in s.scalars(select(FailureEvent).where(FailureEvent.id.in_(wanted)))}
+    wanted = sorted({c for c in cause_of.values() if c is not None})
+    causes: dict[int, FailureEvent] = {}
+    for i in range(0, len(wanted), _IN_CHUNK):
+        chunk = wanted[i : i + _IN_CHUNK]
+        causes.update(
+            (e.id, e) for e in s.scalars(select(FailureEvent).where(FailureEvent.id.in_(chunk)))
+        )
     out = []
     for e in events:
-        failed, recovering = failed_and_recovering(attempts, e)
+        failed, recovering = failed_and_recovering(attempts[e.job_id], e)
         cause = cause_of[e.id]
         out.append(
             IncidentRecord(
@@ -164,11 +206,52 @@ def incident_records(s: Session, job_id: str) -> list[IncidentRecord]:
                 failed=failed,
                 recovering=tuple(recovering),
                 last_step=failed_attempt_last_step(
-                    e.details, rank_steps[failed.number] if failed is not None else []
+                    e.details,
+                    rank_steps[(e.job_id, failed.number)] if failed is not None else [],
                 ),
             )
         )
     return out
+
+
+@dataclass(frozen=True)
+class FleetIncident:
+    """One incident, placed where it happened (the attempt that failed)."""
+
+    job_id: str
+    incident_id: int
+    occurred_at: datetime
+    failure_class: str
+    cloud: str | None
+    region: str | None
+    instance_type: str | None
+
+
+def fleet_incidents(
+    s: Session, *, since: datetime | None = None, job_ids: Sequence[str] | None = None
+) -> list[FleetIncident]:
+    """Every incident of every job (or of ``job_ids``) with protocol steps, in the order
+    they occurred (then by id)."""
+    records = [
+        r for r in fleet_incident_records(s, since=since, job_ids=job_ids) if r.has_protocol_steps
+    ]
+    records.sort(key=lambda r: (_aware(r.event.occurred_at), r.event.id))
+    return [
+        FleetIncident(
+            r.event.job_id,
+            r.event.id,
+            _aware(r.event.occurred_at),
+            r.event.failure_class or FailureClass.UNKNOWN.value,
+            r.failed.cloud if r.failed else None,
+            r.failed.region if r.failed else None,
+            r.failed.instance_type if r.failed else None,
+        )
+        for r in records
+    ]
+
+
+def _aware(d: datetime) -> datetime:
+    return d if d.tzinfo else d.replace(tzinfo=UTC)  # SQLite hands back naive UTC
 
 
 def incident_mttr(occurred_at: datetime, steps: list[StepRow]) -> float | None:

@@ -12,7 +12,8 @@ from orchestrator.domain.protocol import ORDER
 from orchestrator.domain.status import JobStatus
 from orchestrator.store import repo
 from orchestrator.store.db import make_engine, make_sessionmaker
-from orchestrator.store.goodput import fleet_incidents, job_goodput
+from orchestrator.store.goodput import job_goodput
+from orchestrator.store.incidents import fleet_incidents
 
 
 @pytest.fixture
