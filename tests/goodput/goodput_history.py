@@ -228,6 +228,13 @@ class JobHistory:
         return ev
 
 
+def reread(session: Session) -> None:
+    """Commit and forget the objects built, so what is read next comes back from the
+    database (its types and time zones), as the service would read it."""
+    session.commit()
+    session.expunge_all()
+
+
 def steps_end(t: float, steps: Sequence[tuple[ProtocolStep, float]]) -> float:
     return t + sum(s for _, s in steps)
 

@@ -4,26 +4,14 @@ reconciler records; replayed on issue 27's history, they give minutes of MTBF.""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from goodput_history import LOST_STEPS, JobHistory, at
 from sqlalchemy.orm import Session
 
 from orchestrator.domain.advisor import PlacementKey, advise_from_history, next_checkpoint_every
-from orchestrator.store.db import make_engine, make_sessionmaker
 from orchestrator.store.work import interval_facts
 
 KEY = PlacementKey("local", "local", "netns")
-
-
-@pytest.fixture
-def session(db_url: str) -> Iterator[Session]:
-    engine = make_engine(db_url)
-    with make_sessionmaker(engine)() as s:
-        yield s
-        s.commit()
-    engine.dispose()
 
 
 def _issue_history(session: Session) -> JobHistory:

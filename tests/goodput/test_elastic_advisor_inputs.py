@@ -5,27 +5,14 @@ nodes that trained (a standby spare that fails is given back: no incident)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from elastic_history import END, GROWN_START, SHRINK_STEPS, SHRUNK_END, SHRUNK_START, grown_job
 from goodput_history import at
-from sqlalchemy.orm import Session
 
 from orchestrator.domain.advisor import PlacementKey
-from orchestrator.store.db import make_engine, make_sessionmaker
 from orchestrator.store.work import interval_facts
 
 KEY = PlacementKey("aws", "us-east-1", "p4d.24xlarge")
-
-
-@pytest.fixture
-def session(db_url: str) -> Iterator[Session]:
-    engine = make_engine(db_url)
-    with make_sessionmaker(engine)() as s:
-        yield s
-        s.commit()
-    engine.dispose()
 
 
 def test_a_grow_is_no_failure_of_the_placement_nor_a_failures_restart(session) -> None:

@@ -6,8 +6,6 @@ The histories are in elastic_history.py; each figure below is derived from them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from elastic_history import (
     GROW_AT,
@@ -22,10 +20,9 @@ from elastic_history import (
     spare_lost_job,
     spare_refused_job,
 )
-from goodput_history import steps_end, two_incident_job
+from goodput_history import reread, steps_end, two_incident_job
 from sqlalchemy.orm import Session
 
-from orchestrator.store.db import make_engine, make_sessionmaker
 from orchestrator.store.goodput import job_goodput
 
 #: Attempt 2 trains from the end of the node loss's protocol (3,666 s) ...
@@ -35,19 +32,9 @@ SHRUNK_TRAINING_S = GROW_AT - SHRUNK_TRAINS_FROM  # 1,334 s
 SHRUNK_WALL_S = SHRUNK_END - SHRUNK_START  # 1,393.5 s
 
 
-@pytest.fixture
-def session(db_url: str) -> Iterator[Session]:
-    engine = make_engine(db_url)
-    with make_sessionmaker(engine)() as s:
-        yield s
-        s.commit()
-    engine.dispose()
-
-
 def _report(session: Session, build):  # type: ignore[no-untyped-def]
     h = build(session)
-    session.commit()
-    session.expunge_all()  # read back from the database, not the objects built
+    reread(session)
     return job_goodput(session, h.id)
 
 

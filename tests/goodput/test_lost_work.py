@@ -4,24 +4,11 @@ progress reports, the failed attempt's training time when it restarted from scra
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from goodput_history import LOST_STEPS, JobHistory, plain_script_job, steps_end
-from sqlalchemy.orm import Session
 
 from orchestrator.domain.status import JobStatus
-from orchestrator.store.db import make_engine, make_sessionmaker
 from orchestrator.store.goodput import job_goodput
-
-
-@pytest.fixture
-def session(db_url: str) -> Iterator[Session]:
-    engine = make_engine(db_url)
-    with make_sessionmaker(engine)() as s:
-        yield s
-        s.commit()
-    engine.dispose()
 
 
 def test_a_plain_script_restarted_from_scratch_loses_its_training_time(session):

@@ -4,15 +4,10 @@ incidents a job had, the attempt each one ended or the last step it trained."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
-from goodput_history import LOST_STEPS, JobHistory, at, two_incident_job
-from sqlalchemy.orm import Session
+from goodput_history import LOST_STEPS, JobHistory, at, reread, two_incident_job
 
 from orchestrator.domain.status import JobStatus
 from orchestrator.store import incidents as incidents_module
-from orchestrator.store.db import make_engine, make_sessionmaker
 from orchestrator.store.goodput import job_goodput
 from orchestrator.store.incidents import (
     fleet_incident_records,
@@ -22,23 +17,9 @@ from orchestrator.store.incidents import (
 )
 
 
-@pytest.fixture
-def session(db_url: str) -> Iterator[Session]:
-    engine = make_engine(db_url)
-    with make_sessionmaker(engine)() as s:
-        yield s
-        s.commit()
-    engine.dispose()
-
-
-def _reread(session: Session) -> None:
-    session.commit()
-    session.expunge_all()
-
-
 def test_goodput_reports_the_incidents_the_incident_list_shows(session):
     h = two_incident_job(session)
-    _reread(session)
+    reread(session)
     listed = incidents(session, h.id)
     report = job_goodput(session, h.id)
 
@@ -57,7 +38,7 @@ def test_an_incident_that_does_not_name_its_attempt_is_blamed_alike_by_both(sess
     h.attempt(1, 60, 3000, last_step=1234)
     ev = h.incident(3000, "host_oom_killed", LOST_STEPS, last_step=1000)
     h.attempt(2, 3100, None, resume_step=1200, incident_id=ev.id)
-    _reread(session)
+    reread(session)
 
     (record,) = incident_records(session, h.id)
     assert record.failed is not None and record.failed.number == 1
@@ -70,7 +51,7 @@ def test_an_incident_that_does_not_name_its_attempt_is_blamed_alike_by_both(sess
 
 def test_the_read_model_names_each_incident_s_cause_and_steps_in_recorded_order(session):
     h = two_incident_job(session)
-    _reread(session)
+    reread(session)
     records = incident_records(session, h.id)
 
     assert [r.cause.kind if r.cause else None for r in records] == [
@@ -103,7 +84,7 @@ def test_across_jobs_each_incident_is_read_as_its_own_jobs_read_model_reads_it(s
     b.attempt(1, 200, 3000, last_step=777)
     ev = b.incident(3000, "node_lost", LOST_STEPS, last_step=700, attempt=1)
     b.attempt(2, 3100, None, resume_step=700, incident_id=ev.id)
-    _reread(session)
+    reread(session)
 
     each = sorted(
         [*incident_records(session, a.id), *incident_records(session, b.id)],
@@ -121,7 +102,7 @@ def test_an_incident_without_protocol_steps_is_listed_but_counted_by_no_report(s
     h.status(JobStatus.PROVISIONING, 0)
     h.attempt(1, 60, None, last_step=50)
     ev = h.incident(3000, "node_lost", (), last_step=50, attempt=1)
-    _reread(session)
+    reread(session)
 
     assert [d["id"] for d in incidents(session, h.id)] == [ev.id]
     (record,) = incident_records(session, h.id)
@@ -132,7 +113,7 @@ def test_an_incident_without_protocol_steps_is_listed_but_counted_by_no_report(s
 
 def test_causes_are_all_found_when_their_ids_take_several_statements(session, monkeypatch):
     h = two_incident_job(session)
-    _reread(session)
+    reread(session)
     monkeypatch.setattr(incidents_module, "_IN_CHUNK", 1)  # one statement per cause
 
     assert [r.cause.kind if r.cause else None for r in incident_records(session, h.id)] == [

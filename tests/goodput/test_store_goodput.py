@@ -2,38 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-from goodput_history import LOST_STEPS, NOTICE_STEPS, JobHistory, at, two_incident_job
-from sqlalchemy.orm import Session
+from goodput_history import LOST_STEPS, NOTICE_STEPS, JobHistory, at, reread, two_incident_job
 
 from orchestrator.domain.protocol import ORDER
 from orchestrator.domain.status import JobStatus
 from orchestrator.store import repo
-from orchestrator.store.db import make_engine, make_sessionmaker
 from orchestrator.store.goodput import job_goodput
 from orchestrator.store.incidents import fleet_incidents
 
 
-@pytest.fixture
-def session(db_url: str) -> Iterator[Session]:
-    engine = make_engine(db_url)
-    with make_sessionmaker(engine)() as s:
-        yield s
-        s.commit()
-    engine.dispose()
-
-
-def _reread(session: Session) -> None:
-    # Commit and forget the objects, so the report is read back from the database.
-    session.commit()
-    session.expunge_all()
-
-
 def test_incident_mttr_is_its_protocol_steps_and_steps_lost_is_last_step_minus_resume(session):
     h = two_incident_job(session)
-    _reread(session)
+    reread(session)
     r = job_goodput(session, h.id)
 
     notice, lost = r.incidents
@@ -56,7 +37,7 @@ def test_incident_mttr_is_its_protocol_steps_and_steps_lost_is_last_step_minus_r
 
 def test_wall_time_is_productive_plus_idle_failure_and_lost_work(session):
     h = two_incident_job(session)
-    _reread(session)
+    reread(session)
     r = job_goodput(session, h.id)
 
     assert r.wall_seconds == pytest.approx(18_000)
@@ -78,7 +59,7 @@ def test_wall_time_is_productive_plus_idle_failure_and_lost_work(session):
 
 def test_each_incident_is_priced_at_the_plan_of_the_attempt_that_failed(session):
     h = two_incident_job(session)
-    _reread(session)
+    reread(session)
     r = job_goodput(session, h.id)
 
     notice, lost = r.incidents
@@ -95,7 +76,7 @@ def test_unknown_price_is_unknown_dollars_not_zero(session):
     h.attempt(1, 20, 1000, price=None, last_step=400)
     ev = h.incident(900, "nccl_timeout", LOST_STEPS, last_step=400)
     h.attempt(2, 1000, None, resume_step=300, incident_id=ev.id)
-    _reread(session)
+    reread(session)
     r = job_goodput(session, h.id, now=at(5000))
     assert r.incidents[0].usd is None and r.lost_usd is None and r.total_usd is None
     assert r.incidents[0].steps_lost == 100
@@ -107,7 +88,7 @@ def test_recovery_in_progress_runs_until_now_with_steps_lost_unknown(session):
     h.attempt(1, 60, 2000, last_step=900)
     h.incident(2000, "gpu_hardware", NOTICE_STEPS, last_step=900, finished=5)  # launching
     h.status(JobStatus.RECOVERING, 2000)
-    _reread(session)
+    reread(session)
 
     r = job_goodput(session, h.id, now=at(2500))
     (inc,) = r.incidents
@@ -128,14 +109,14 @@ def test_without_last_step_the_failed_attempts_last_heartbeat_stands_in(session)
     h.attempt(1, 60, 3000, last_step=1234)
     ev = h.incident(3000, "host_oom_killed", LOST_STEPS, last_step=None)
     h.attempt(2, 3100, None, resume_step=1200, incident_id=ev.id)
-    _reread(session)
+    reread(session)
     (inc,) = job_goodput(session, h.id, now=at(4000)).incidents
     assert (inc.last_step, inc.steps_lost) == (1234, 34)
 
 
 def test_job_that_never_launched_is_all_idle(session):
     h = JobHistory(session, submitted=0)
-    _reread(session)
+    reread(session)
     r = job_goodput(session, h.id, now=at(600))
     assert r.idle_seconds == pytest.approx(600) and r.productive_seconds == 0
     assert r.effective_training_fraction == 0 and r.incidents == () and r.total_usd == 0
@@ -153,7 +134,7 @@ def test_fleet_places_each_incident_where_it_happened(session):
     b.attempt(1, 200, None, cloud="aws", region="eu-west-1", instance_type="p5.48xlarge")
     b.event(500, "anomaly", "slow_peer")  # an event without a recovery is not an incident
     b.incident(900, "nccl_transport", LOST_STEPS, last_step=10, finished=2)
-    _reread(session)
+    reread(session)
 
     rows = fleet_incidents(session)
     assert [(r.job_id, r.failure_class, r.region, r.instance_type) for r in rows] == [
