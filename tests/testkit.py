@@ -33,6 +33,19 @@ def reset_postgres(url: str) -> None:
         conn.execute("CREATE SCHEMA public")
 
 
+def short_busy_timeout(engine: Any, ms: int = 200) -> None:
+    """SQLite connections of ``engine`` wait ``ms`` for a lock, not the service's 30 s:
+    a transaction that would wait for the write lock fails at once with "database is
+    locked". The pool is emptied, so every connection from now on is a new one."""
+    from sqlalchemy import event
+
+    @event.listens_for(engine, "connect")
+    def _short(dbapi_conn, _record):  # type: ignore[no-untyped-def]
+        dbapi_conn.execute(f"PRAGMA busy_timeout = {ms}")
+
+    engine.dispose()
+
+
 def job_spec(**overrides):  # type: ignore[no-untyped-def]
     """A valid job spec document; keyword arguments replace top-level fields."""
     doc = {

@@ -126,12 +126,13 @@ def operator_principal(request: Request, token: str) -> Principal | None:
     bootstrap token costs no query; a stored token one indexed lookup."""
     from orchestrator.domain.roles import Role
     from orchestrator.store import tokens
+    from orchestrator.store.db import read_session
 
     if token_matches(token, request.app.state.token):
         return Principal(BOOTSTRAP, Role.admin, None)
     if not token.startswith(tokens.TOKEN_PREFIX):
         return None
-    with request.app.state.sessionmaker() as s:
+    with read_session(request.app.state.sessionmaker) as s:  # every request: no write lock
         row = tokens.lookup_token(s, token)
         return None if row is None else Principal(row.name, Role(row.role), row.id)
 

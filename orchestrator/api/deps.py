@@ -18,13 +18,18 @@ from sqlalchemy.orm import Session
 
 from orchestrator.api.auth import Principal, bearer_token, operator_principal
 from orchestrator.domain.roles import Role
+from orchestrator.store.db import read_session
 
 #: Methods that only read: what a viewer may call.
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 def get_session(request: Request) -> Iterator[Session]:
-    session = request.app.state.sessionmaker()
+    # A read (GET, HEAD) reads in a read session: on SQLite it then takes no write lock
+    # (``store.db``), which the heartbeat flush and the reconciler's lease need; the
+    # read of a 2,044-node job held it for seconds on a starved service.
+    maker = request.app.state.sessionmaker
+    session = read_session(maker) if request.method in READ_METHODS else maker()
     try:
         yield session
         session.commit()

@@ -69,6 +69,7 @@ from orchestrator.contract import AGENT_PROTOCOL, CommandType
 from orchestrator.domain.roles import Role
 from orchestrator.domain.spec import INT32_MAX, INT64_MAX, MAX_DETAIL_CHARS, refuse_unstorable
 from orchestrator.store import agents, tokens
+from orchestrator.store.db import read_session
 from orchestrator.store.liveness import LiveHeartbeats, Verdict
 from orchestrator.store.models import Attempt, NodeCommand
 from orchestrator.store.repo import NotFound
@@ -602,7 +603,7 @@ def _heartbeat_threads(request: Request) -> anyio.CapacityLimiter:
 
 
 def _held(request: Request, job_id: str, attempt: int, node_id: str) -> bool:
-    with request.app.state.sessionmaker() as session:
+    with read_session(request.app.state.sessionmaker) as session:
         try:
             return agents.is_held(session, job_id, attempt, node_id)
         except NotFound:
@@ -612,7 +613,7 @@ def _held(request: Request, job_id: str, attempt: int, node_id: str) -> bool:
 def _check_commands(
     request: Request, job_id: str, attempt: int, node_id: str, after: int
 ) -> list[CommandOut]:
-    with request.app.state.sessionmaker() as session:
+    with read_session(request.app.state.sessionmaker) as session:
         cmds = agents.poll_commands(session, job_id, attempt, node_id, after)
         return [
             CommandOut(seq=c.id, type=c.type, args=_command_args(request, job_id, node_id, c))
@@ -659,7 +660,7 @@ class _CommandWatch:
         self.limiter = anyio.CapacityLimiter(LONG_POLL_THREADS)
 
     def _read(self) -> list[tuple[int, str, int]]:
-        with self._sessionmaker() as s:
+        with read_session(self._sessionmaker) as s:
             if self._watermark is None:
                 self._watermark = int(s.scalar(select(func.max(NodeCommand.id))) or 0)
                 return []

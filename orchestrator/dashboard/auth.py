@@ -25,6 +25,7 @@ from fastapi import Request, Response
 
 from orchestrator.api.auth import operator_principal
 from orchestrator.store import tokens
+from orchestrator.store.db import read_session
 from orchestrator.store.models import DashboardSession
 
 COOKIE = "skyresume_dashboard"
@@ -43,7 +44,7 @@ def current_session(request: Request) -> DashboardSession | None:
     given = request.cookies.get(COOKIE, "")
     row = None
     if given:
-        with request.app.state.sessionmaker() as s:
+        with read_session(request.app.state.sessionmaker) as s:
             row = tokens.lookup_session(s, given)
     request.state.dashboard_session = row
     return row

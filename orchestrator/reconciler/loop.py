@@ -25,6 +25,12 @@ cannot roll back is a launcher call already made; launches are therefore keyed b
 key it already holds answers with that request instead of starting new nodes: a new
 leader that finds an attempt recorded with no handle adopts the launch the old one
 made, if it made one.
+
+On SQLite, whose one write lock a write transaction takes at BEGIN (``store.db``),
+a round reads and decides in a read transaction first and takes the lock only when
+it has something to apply: then it reads and decides again under the lock and
+applies what it decided there, so what is applied was read under the lock, as on
+PostgreSQL, where a round is one transaction.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import cast
 
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator.contract import AttemptState, CommandType, Env, EventKind, Membership
@@ -56,7 +63,7 @@ from orchestrator.launchers.base import (
     SubmitUncertain,
     TaskRejected,
 )
-from orchestrator.store import agents, records, repo, work
+from orchestrator.store import agents, db, records, repo, work
 from orchestrator.store.intake import IntakeLog
 from orchestrator.store.models import Attempt
 from orchestrator.store.snapshot import (
@@ -105,6 +112,8 @@ class Reconciler:
         self.holder = self.holder or f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._reads_first = db.serializes_writers(self.sessionmaker)
+        """Rounds read in a read transaction first (SQLite: see the module docstring)."""
 
     # --- running --------------------------------------------------------------------
 
@@ -130,8 +139,18 @@ class Reconciler:
             self._stop.wait(self.interval_s)
 
     def acquire_lease(self, now: datetime | None = None) -> bool:
-        with self.sessionmaker() as s:
-            epoch = work.acquire_lease(s, self.holder, self.lease_s, now or repo.utcnow())
+        try:
+            with self.sessionmaker() as s:
+                epoch = work.acquire_lease(s, self.holder, self.lease_s, now or repo.utcnow())
+        except OperationalError as e:
+            if not db.database_locked(e):
+                raise
+            # SQLite's write lock was held by others for the whole busy timeout. That
+            # says nothing about who leads: the lease row is as it was, a takeover
+            # moves its epoch, and every write is fenced on it. So the epoch is kept
+            # and the renewal tried again next interval; this round acts on nothing.
+            log.warning("reconciler %s: lease renewal waited out a locked database", self.holder)
+            return False
         if epoch != self.epoch:
             log.info("reconciler %s: leader at epoch %s (was %s)", self.holder, epoch, self.epoch)
         self.epoch = epoch
@@ -139,7 +158,7 @@ class Reconciler:
 
     def tick(self) -> bool:
         """One round over every job; True when some job's round applied an action."""
-        with self.sessionmaker() as s:
+        with db.read_session(self.sessionmaker) as s:
             ids = work.jobs_to_reconcile(s)
             self.intake.sample(s, repo.utcnow())
         self.progress.keep(ids)
@@ -177,12 +196,10 @@ class Reconciler:
         return []
 
     def _reconcile_fenced(self, job_id: str, now: datetime | None) -> list[rc.Action]:
+        if self._reads_first and not self._would_write(job_id, now):
+            return []
         with self.sessionmaker() as s, s.begin():
-            snap, rows = gather_snapshot(
-                s, job_id, now or repo.utcnow(), self.launcher, self.progress
-            )
-            if self.heard_since is not None:
-                snap = replace(snap, heard_since=self.heard_since, intake=self.intake.samples())
+            snap, rows = self._gather(s, job_id, now)
             actions = rc.decide(snap, self.config)
             if actions:
                 self._fence(s, now)
@@ -192,6 +209,30 @@ class Reconciler:
             if not actions and snap.status is JobStatus.RUNNING and snap.incident is None:
                 self.advise_interval(s, rows, snap, now=now)
         return actions
+
+    def _would_write(self, job_id: str, now: datetime | None) -> bool:
+        """The round, read and decided in a read transaction, has an action to apply or
+        an interval advice due (SQLite). Most rounds have neither; taking the write lock
+        for their reads (seconds for 2,048 nodes on a starved service, and the
+        launcher's status calls within them) made the heartbeat flush and the lease
+        renewal wait out the busy timeout behind them (``bench/overload.py``, 0.3
+        cores). A round that acts reads again under the lock: its launcher calls are
+        made twice."""
+        with db.read_session(self.sessionmaker) as s:
+            snap, rows = self._gather(s, job_id, now)
+            if rc.decide(snap, self.config):
+                return True
+            return (
+                snap.status is JobStatus.RUNNING
+                and snap.incident is None
+                and self._advice_due(rows, snap)
+            )
+
+    def _gather(self, s: Session, job_id: str, now: datetime | None) -> tuple[rc.JobSnapshot, Rows]:
+        snap, rows = gather_snapshot(s, job_id, now or repo.utcnow(), self.launcher, self.progress)
+        if self.heard_since is not None:
+            snap = replace(snap, heard_since=self.heard_since, intake=self.intake.samples())
+        return snap, rows
 
     def _fence(self, s: Session, now: datetime | None) -> None:
         """Before the first write of a transaction: this replica still leads at its
@@ -221,10 +262,7 @@ class Reconciler:
         )
 
         a, job, spec = rows.attempt, rows.job, rows.spec
-        if not spec.checkpoint.adaptive or a is None or snap.attempt is None:
-            return None
-        last = self._last_advice.get(job.id)
-        if last is not None and (snap.now - last).total_seconds() < self.advise_every_s:
+        if a is None or not self._advice_due(rows, snap):
             return None
         self._last_advice[job.id] = snap.now
         facts = work.interval_facts(s, job.id, a.number, spec.checkpoint.every_steps, snap.now)
@@ -263,6 +301,13 @@ class Reconciler:
             s, job.id, a.number, CommandType.SET_CHECKPOINT_EVERY, {"every_steps": new}, snap.now
         )
         return new
+
+    def _advice_due(self, rows: Rows, snap: rc.JobSnapshot) -> bool:
+        """The job adapts its interval and was last advised ``advise_every_s`` ago."""
+        if not rows.spec.checkpoint.adaptive or rows.attempt is None or snap.attempt is None:
+            return False
+        last = self._last_advice.get(rows.job.id)
+        return last is None or (snap.now - last).total_seconds() >= self.advise_every_s
 
     # --- apply: one executor per action -----------------------------------------------------
 
@@ -377,7 +422,7 @@ class Reconciler:
         """Confirm (or ask again for) every teardown asked for and not yet confirmed;
         the number still pending. Fenced: only the leader calls the launcher."""
         now = now or repo.utcnow()
-        with self.sessionmaker() as s:
+        with db.read_session(self.sessionmaker) as s:
             pending = work.teardowns_pending(s, now)
         for job_id, number in pending:
             try:
@@ -389,7 +434,7 @@ class Reconciler:
             except work.NotLeader:
                 self.epoch = None
                 return len(pending)
-        with self.sessionmaker() as s:
+        with db.read_session(self.sessionmaker) as s:
             return len(work.teardowns_pending(s, now))
 
     def _down(self, job_id: str, handle: LaunchHandle) -> str | None:

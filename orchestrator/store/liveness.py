@@ -54,6 +54,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from orchestrator.contract import AttemptState
 from orchestrator.domain.status import JobStatus
 from orchestrator.store import agents
+from orchestrator.store.db import read_session
 from orchestrator.store.models import Attempt, Job, Node
 from orchestrator.store.repo import NotFound, utcnow
 
@@ -159,7 +160,7 @@ class LiveHeartbeats:
             verdict = self.check(job_id, attempt, node_id)
             if verdict is not Verdict.MISS:
                 return verdict
-            with self._maker() as s:
+            with read_session(self._maker) as s:
                 cur = _currency(s, [job_id]).get(job_id)
                 if cur is None:
                     self._drop_job(job_id)
