@@ -4,12 +4,15 @@ One read of incidents (:func:`incident_records` for a job, :func:`fleet_incident
 across jobs, both through one query function) decides, once, which events are
 incidents, the order of their protocol steps, the attempt that failed, the ones that
 recover and the last step the failed one trained. Every view is built from it: the
-API (``/v1/jobs/{id}/incidents``), the CLI, the dashboard's job page and the
-reconciler's interval advisor read :func:`incidents`; the dashboard's jobs list counts
-and its fleet page (:func:`fleet_incidents`) places the same records; goodput
-(:mod:`orchestrator.store.goodput`) accounts them. Two readers that each decided "the failed attempt" for
-themselves could blame a different attempt for the same incident, and the incident
-table and the goodput page would disagree about its lost steps.
+API (``/v1/jobs/{id}/incidents``), the CLI and the dashboard's job page read
+:func:`incidents`; the dashboard's jobs list counts the records and its fleet page
+places them (:func:`fleet_incidents`); the interval advisor counts each failure
+against the placement of the attempt blamed, and takes the restart time from
+:func:`incident_mttr`; goodput (:mod:`orchestrator.store.goodput`) accounts them.
+Two readers that each decided "the failed attempt" for themselves could blame a
+different attempt for the same incident: the incident table and the goodput page
+would disagree about its lost steps, the fleet page and the advisor about where it
+happened.
 
 MTTR, by step: :func:`incident_mttr` here (None until all seven steps finished);
 goodput's ``mttr_seconds`` is the pure accounting's over the same step rows, where a

@@ -24,7 +24,12 @@ from orchestrator.domain.spec import JobSpec
 from orchestrator.domain.status import TERMINAL
 from orchestrator.launchers.base import LaunchHandle
 from orchestrator.store import records, repo
-from orchestrator.store.incidents import incidents, is_planned, rank_values
+from orchestrator.store.incidents import (
+    fleet_incident_records,
+    incident_mttr,
+    is_planned,
+    rank_values,
+)
 from orchestrator.store.models import Attempt, FailureEvent, Job, Lease, Node, NodeCommand
 from orchestrator.store.models import ProtocolStep as StepRow
 from orchestrator.store.shape import attempt_shape
@@ -584,7 +589,12 @@ def interval_facts(
     ).first()
     current = int(latest.details["every_steps"]) if latest is not None else default_every
     # An elastic grow is a planned reshape: neither a failure nor a failure's restart.
-    mttrs = [i["mttr_s"] for i in incidents(s, job_id) if i["mttr_s"] and not i["planned"]]
+    failures = [r for r in fleet_incident_records(s) if not is_planned(r.event.failure_class)]
+    mttrs = [
+        mttr
+        for r in failures
+        if r.event.job_id == job_id and (mttr := incident_mttr(r.event.occurred_at, list(r.steps)))
+    ]
     hours: dict[Any, float] = {}
     fails: dict[Any, int] = {}
     keys: dict[tuple[str, int], Any] = {}
@@ -603,10 +613,10 @@ def interval_facts(
         except records.StoredRecordError:
             nodes = a.num_nodes
         hours[k] = hours.get(k, 0.0) + span / 3600 * nodes * per_node
-    for e in s.scalars(select(FailureEvent).where(FailureEvent.kind == EventKind.INCIDENT)):
-        if is_planned(e.failure_class):
-            continue
-        k = keys.get((e.job_id, int((e.details or {}).get("attempt", 0))))
+    # Each failure counts against the placement of the attempt the read model blames,
+    # the one the fleet page places it on.
+    for r in failures:
+        k = keys.get((r.event.job_id, r.failed.number)) if r.failed is not None else None
         if k is not None:
             fails[k] = fails.get(k, 0) + 1
     import statistics

@@ -5,10 +5,11 @@ reconciler records; replayed on issue 27's history, they give minutes of MTBF.""
 from __future__ import annotations
 
 import pytest
-from goodput_history import LOST_STEPS, JobHistory, at
+from goodput_history import LOST_STEPS, JobHistory, at, reread
 from sqlalchemy.orm import Session
 
 from orchestrator.domain.advisor import PlacementKey, advise_from_history, next_checkpoint_every
+from orchestrator.store.incidents import fleet_incidents
 from orchestrator.store.work import interval_facts
 
 KEY = PlacementKey("local", "local", "netns")
@@ -49,3 +50,19 @@ def test_the_store_feeds_the_advisor_exposure_and_failures_per_placement(session
     assert advice.mtbf_hours * 60 < 5  # minutes, as the run saw, not 3,000 hours
     new = next_checkpoint_every(100, max(facts.step_times), advice.interval_seconds)
     assert new is not None and 100 < new < 250
+
+
+def test_a_failure_counts_against_the_placement_the_fleet_page_places_it_on(session) -> None:
+    # The incident does not name its attempt: the read model blames the one started
+    # last before it (on GCP), and so do the fleet page and the advisor's count.
+    h = JobHistory(session)
+    h.attempt(1, 0, 1000, cloud="aws", region="us-east-1", instance_type="p4d.24xlarge")
+    h.attempt(2, 1000, 2000, cloud="gcp", region="us-central1", instance_type="a2-highgpu-8g")
+    h.incident(1500, "node_lost", LOST_STEPS, last_step=None)
+    reread(session)
+
+    (placed,) = fleet_incidents(session)
+    facts = interval_facts(session, h.id, 2, 100, at(2000))
+    failures = {(x.key.cloud, x.key.region): x.failures for x in facts.exposures}
+    assert (placed.cloud, placed.region) == ("gcp", "us-central1")
+    assert failures == {("aws", "us-east-1"): 0, ("gcp", "us-central1"): 1}
