@@ -263,3 +263,34 @@ def cli_through(client: Any, monkeypatch: Any) -> Any:
     monkeypatch.setattr(cli, "Client", AppClient)
     monkeypatch.setattr(common, "Client", AppClient)
     return cli
+
+
+def chaos_incident(http: Any, job: str, chaos: dict[str, Any], deadline: float) -> ChaosOutcome:
+    """Inject ``chaos`` (a ``/chaos`` body) into the attempt training now, wait for a
+    later attempt to validate, and return the incident the fault opened with the
+    attempts before and after it. Nothing assumes "attempt 2" or "the first incident":
+    on a loaded machine an earlier attempt may have ended before the fault (seen in
+    CI: a launch recovered once before step 20), and the claims are about the fault."""
+    from orchestrator.demo import api_get, api_post, wait_for
+
+    def attempts() -> list[dict[str, Any]]:
+        return list(api_get(http, f"/v1/jobs/{job}/attempts")["items"])
+
+    before = attempts()[-1]
+    api_post(http, f"/v1/jobs/{job}/chaos", chaos)
+    n = before["number"]
+    wait_for(http, job, f"an attempt after {n} validated",
+             lambda st, number, v, step: number > n and v is not None, deadline)  # fmt: skip
+    incs = [i for i in api_get(http, f"/v1/jobs/{job}/incidents")["items"] if i["attempt"] == n]
+    assert len(incs) == 1, f"incidents of attempt {n}: {incs}"
+    after = next(a for a in attempts() if a["number"] == n + 1)
+    return ChaosOutcome(incs[0], before, after)
+
+
+@dataclass(frozen=True)
+class ChaosOutcome:
+    incident: dict[str, Any]
+    before: dict[str, Any]
+    """The attempt the fault was injected into."""
+    after: dict[str, Any]
+    """The attempt the recovery launched."""

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from testkit import chaos_incident
 
 from orchestrator.demo import DemoService, api_get, api_post, job_spec, run_demo, wait_for
 
@@ -87,10 +88,9 @@ def test_a_hung_rank_is_caught_by_the_heartbeat_timeout_and_the_job_recovers(ser
     end = time.monotonic() + 600
     s = wait_for(http, job, "step 20", lambda st, n, v, step: v is not None and step >= 20, end)
     assert s[0] == "RUNNING"
-    api_post(http, f"/v1/jobs/{job}/chaos", {"action": "hang-rank", "node": 1, "rank": 3})
-    s = wait_for(http, job, "a validated attempt 2", lambda st, n, v, step: n >= 2 and v, end)
-    (inc,) = api_get(http, f"/v1/jobs/{job}/incidents")["items"][:1]
-    assert inc["failure_class"] == "nccl_timeout"
+    out = chaos_incident(http, job, {"action": "hang-rank", "node": 1, "rank": 3}, end)
+    inc = out.incident
+    assert inc["failure_class"] == "nccl_timeout", inc
     assert "no progress" in inc["message"]
     # Every peer stalls at its next collective with the frozen rank: rank 3 is named
     # among the silent ones (which stopped first is not observable from progress).
@@ -101,7 +101,8 @@ def test_a_hung_rank_is_caught_by_the_heartbeat_timeout_and_the_job_recovers(ser
     # rank's stack, and the frozen rank named as stopped.
     assert inc["evidence"], "no stacks were taken before the ranks were stopped"
     events = api_get(http, f"/v1/jobs/{job}/events?limit=500")["items"]
-    stacks = [e for e in events if e["kind"] == "evidence" and e["details"].get("attempt") == 1]
+    n = out.before["number"]
+    stacks = [e for e in events if e["kind"] == "evidence" and e["details"].get("attempt") == n]
     ranks = {r["rank"]: r for e in stacks for r in e["details"]["ranks"]}
     assert sorted(ranks) == [0, 1, 2, 3]
     assert all(r["stack"] for r in ranks.values())
@@ -187,9 +188,7 @@ def test_a_nan_rolls_back_to_the_last_good_checkpoint(service, tmp_path):
     job = _submit(http, tmp_path, 400)
     end = time.monotonic() + 600
     wait_for(http, job, "step 15", lambda st, n, v, step: v is not None and step >= 15, end)
-    api_post(http, f"/v1/jobs/{job}/chaos", {"action": "nan", "node": 0})
-    wait_for(http, job, "a validated attempt 2", lambda st, n, v, step: n >= 2 and v, end)
-    (inc,) = api_get(http, f"/v1/jobs/{job}/incidents")["items"][:1]
+    inc = chaos_incident(http, job, {"action": "nan", "node": 0}, end).incident
     assert inc["failure_class"] == "nan_divergence" and inc["remedy"] == "rollback_last_good"
     events = api_get(http, f"/v1/jobs/{job}/events?limit=500")["items"]
     onsets = [e["details"]["step"] for e in events if e["kind"] == "anomaly"

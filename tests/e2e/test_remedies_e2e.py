@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from testkit import chaos_incident
 
 from orchestrator.demo import TINY_MODEL, DemoService, api_get, api_post, job_spec, wait_for
 
@@ -97,9 +98,7 @@ def test_a_persistent_loss_spike_rolls_back_to_a_checkpoint_older_than_its_onset
     job = submit(http, tmp_path, 400)
     end = time.monotonic() + 600
     at_step(http, job, 25, end)
-    api_post(http, f"/v1/jobs/{job}/chaos", {"action": "spike", "node": 0})
-    validated_attempt(http, job, 2, end)
-    (inc,) = incidents(http, job)[:1]
+    inc = chaos_incident(http, job, {"action": "spike", "node": 0}, end).incident
     assert inc["failure_class"] == "loss_spike" and inc["remedy"] == "rollback_last_good"
     events = api_get(http, f"/v1/jobs/{job}/events?limit=500")["items"]
     onsets = [
@@ -117,14 +116,11 @@ def test_an_xid_keeps_the_job_off_the_host_that_reported_it(service, tmp_path):
     job = submit(http, tmp_path, 400)
     end = time.monotonic() + 600
     at_step(http, job, 15, end)
-    first = attempts(http, job)[0]
-    api_post(http, f"/v1/jobs/{job}/chaos", {"action": "xid", "node": 1, "rank": 2})
-    validated_attempt(http, job, 2, end)
-    (inc,) = incidents(http, job)[:1]
+    out = chaos_incident(http, job, {"action": "xid", "node": 1, "rank": 2}, end)
+    inc = out.incident
     assert inc["failure_class"] == "gpu_hardware" and inc["remedy"] == "drain_node"
-    bad = first["hosts"][1]
-    second = attempts(http, job)[1]
-    assert bad in second["exclude_hosts"] and bad not in second["hosts"]
+    bad = out.before["hosts"][1]
+    assert bad in out.after["exclude_hosts"] and bad not in out.after["hosts"]
     http.post(f"/v1/jobs/{job}/cancel")
 
 
@@ -133,13 +129,11 @@ def test_a_transport_error_restarts_in_place_on_the_same_hosts(service, tmp_path
     job = submit(http, tmp_path, 400)
     end = time.monotonic() + 600
     at_step(http, job, 15, end)
-    api_post(http, f"/v1/jobs/{job}/chaos", {"action": "transport", "node": 0, "rank": 0})
-    validated_attempt(http, job, 2, end)
-    (inc,) = incidents(http, job)[:1]
+    out = chaos_incident(http, job, {"action": "transport", "node": 0, "rank": 0}, end)
+    inc = out.incident
     named = (inc["failure_class"], inc["remedy"])
     assert named == ("nccl_transport", "restart_in_place"), json.dumps(inc, indent=1)
-    first, second = attempts(http, job)[:2]
-    assert second["in_place"] and second["hosts"] == first["hosts"]
+    assert out.after["in_place"] and out.after["hosts"] == out.before["hosts"]
     launch = next(s for s in inc["steps"] if s["step"] == "launch")
     assert "restarted in place" in launch["detail"]
     # The peers' broken collectives are consequences, never the cause or a user error.
@@ -200,17 +194,13 @@ def test_a_consistently_slow_node_is_replaced_after_a_save(service, tmp_path):
     job = submit(http, tmp_path, 600)
     end = time.monotonic() + 700
     at_step(http, job, 10, end)
-    first = attempts(http, job)[0]
-    api_post(
-        http, f"/v1/jobs/{job}/chaos",
-        {"action": "slow-rank", "node": 1, "rank": 2, "duty": 0.8, "seconds": 300},
-    )  # fmt: skip
-    validated_attempt(http, job, 2, end)
-    (inc,) = incidents(http, job)[:1]
+    slow = {"action": "slow-rank", "node": 1, "rank": 2, "duty": 0.8, "seconds": 300}
+    out = chaos_incident(http, job, slow, end)
+    inc = out.incident
     assert inc["failure_class"] == "slow_peer" and inc["remedy"] == "drain_node"
     signal = next(s for s in inc["steps"] if s["step"] == "signal")
     assert "saved and stopped" in signal["detail"]
-    assert first["hosts"][1] not in attempts(http, job)[1]["hosts"]
+    assert out.before["hosts"][1] not in out.after["hosts"]
     http.post(f"/v1/jobs/{job}/cancel")
 
 
