@@ -29,7 +29,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import Any, Literal, get_args
 
 
 class StrEnum39(str, enum.Enum):
@@ -397,6 +397,29 @@ class FaultKind(StrEnum):
     XID = "xid"  # the rank writes a real Xid line to its log and dies
     TRANSPORT = "transport"  # the rank's collective fails with a transport error
     USER_ERROR = "user_error"  # the rank raises KeyError from its own frame
+
+
+class Provider(StrEnum):
+    """The clouds whose metadata notices the agent reads (``orchestrator.cloud.metadata``
+    parses each one's format). The one list of them: the settings, the agent's and the
+    CLI's flags, the simulator, chaos and the launchers take it from here, and the
+    per-provider tables in ``cloud/metadata.py`` are held to it by a test. Each is also
+    a :data:`Cloud` a spec may name."""
+
+    aws = "aws"
+    gcp = "gcp"
+    azure = "azure"
+
+
+#: :class:`Provider`'s values, in order, for flags and messages.
+PROVIDERS: tuple[str, ...] = tuple(p.value for p in Provider)
+
+#: The clouds a job spec may name (``resources.clouds``): SkyPilot's names, and
+#: ``local`` for the local launcher. A Literal, so pydantic refuses any other name and
+#: mypy checks every table keyed by it (the planner's catalog clouds are a subset).
+Cloud = Literal["aws", "gcp", "azure", "kubernetes", "lambda", "runpod", "local"]
+#: :data:`Cloud`'s names, in order.
+CLOUDS: tuple[str, ...] = get_args(Cloud)
 
 
 # --- checkpoint layout ---------------------------------------------------------------

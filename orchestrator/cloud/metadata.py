@@ -27,6 +27,10 @@ from datetime import datetime, timedelta, timezone
 from email.utils import parsedate_to_datetime
 from typing import Any, Literal, Union
 
+# The provider list is the contract's (the one list); re-exported, since the pollers'
+# callers name providers beside them.
+from orchestrator.contract import PROVIDERS as PROVIDERS
+from orchestrator.contract import Provider as Provider
 from orchestrator.contract import StrEnum
 
 AWS_ENDPOINT = "http://169.254.169.254"
@@ -47,19 +51,6 @@ AZURE_EVENTS_PATH = "/metadata/scheduledevents?api-version=2020-07-01"
 GCP_PREEMPT_GRACE = timedelta(seconds=30)
 #: Azure event types that end or pause the VM (``Freeze`` pauses it for seconds).
 AZURE_EVENT_TYPES = frozenset({"Preempt", "Terminate", "Reboot", "Redeploy", "Freeze"})
-
-
-class Provider(StrEnum):
-    """The clouds whose metadata formats are read: the one list of them (settings, the
-    agent's flags, the simulator, chaos and the local launcher take it from here)."""
-
-    aws = "aws"
-    gcp = "gcp"
-    azure = "azure"
-
-
-#: :class:`Provider`'s values, in order, for flags and messages.
-PROVIDERS: tuple[str, ...] = tuple(p.value for p in Provider)
 
 
 class NoticeKind(StrEnum):
@@ -386,10 +377,28 @@ class AzurePoller:
 # node's Python (3.9+), where classes have no | (3.10).
 Poller = Union[AwsPoller, GcpPoller, AzurePoller]
 
+#: Each provider's real metadata endpoint (the launchers point agents at these).
 DEFAULT_ENDPOINTS = {
     Provider.aws: AWS_ENDPOINT,
     Provider.gcp: GCP_ENDPOINT,
     Provider.azure: AZURE_ENDPOINT,
+}
+
+#: The kinds each provider's format can announce (what its poller can return, and what
+#: the simulator agrees to serve for it).
+NOTICE_KINDS: dict[Provider, frozenset[NoticeKind]] = {
+    Provider.aws: frozenset(
+        {NoticeKind.terminate, NoticeKind.stop, NoticeKind.hibernate, NoticeKind.rebalance}
+    ),
+    Provider.gcp: frozenset({NoticeKind.preempt, NoticeKind.maintenance}),
+    Provider.azure: frozenset(NoticeKind(t.lower()) for t in AZURE_EVENT_TYPES),
+}
+
+#: The notice a spot reclaim brings on each provider (chaos's ``preempt`` sends it).
+RECLAIM_KIND: dict[Provider, NoticeKind] = {
+    Provider.aws: NoticeKind.terminate,
+    Provider.gcp: NoticeKind.preempt,
+    Provider.azure: NoticeKind.preempt,
 }
 
 

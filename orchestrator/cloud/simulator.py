@@ -44,11 +44,7 @@ from urllib.parse import parse_qs, urlsplit
 from orchestrator.cloud import metadata as md
 from orchestrator.cloud.metadata import PROVIDERS
 
-_KINDS = {
-    "aws": {"terminate", "stop", "hibernate", "rebalance"},
-    "gcp": {"preempt", "maintenance"},
-    "azure": {"preempt", "terminate", "reboot", "redeploy", "freeze"},
-}
+_KINDS = {str(p): {str(k) for k in kinds} for p, kinds in md.NOTICE_KINDS.items()}
 #: Long polls are capped so a stuck client cannot hold a server thread for long.
 MAX_WAIT_S = 60.0
 

@@ -8,32 +8,36 @@ from __future__ import annotations
 
 import json
 import sys
-from enum import StrEnum
 from typing import Annotated
 
 import typer
 
 from orchestrator.commands.common import fail
+from orchestrator.contract import PROVIDERS
 
 metadata_app = typer.Typer(help="Cloud metadata: preemption notices.", no_args_is_help=True)
 checkpoints_app = typer.Typer(help="Checkpoints in object storage.", no_args_is_help=True)
 
 
-class ProviderChoice(StrEnum):
-    """``metadata.Provider``'s members, or auto to detect it (a test holds the two equal:
-    typer needs a class of its own)."""
+#: ``--provider``'s choices: a provider whose format is read, or auto to detect it.
+PROVIDER_CHOICES = (*PROVIDERS, "auto")
 
-    aws = "aws"
-    gcp = "gcp"
-    azure = "azure"
-    auto = "auto"
+
+def _provider_choice(value: str) -> str:
+    if value not in PROVIDER_CHOICES:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(PROVIDER_CHOICES)}")
+    return value
 
 
 @metadata_app.command("probe")
 def probe(
     provider: Annotated[
-        ProviderChoice, typer.Option(help="aws, gcp, azure, or auto to detect it")
-    ] = ProviderChoice.auto,
+        str,
+        typer.Option(
+            callback=_provider_choice,
+            help=f"{', '.join(PROVIDERS)}, or auto to detect it",
+        ),
+    ] = "auto",
     endpoint: Annotated[
         str | None,
         typer.Option(help="base URL of the metadata service (default: the provider's own)"),
@@ -45,14 +49,14 @@ def probe(
 
     if endpoint is not None and not endpoint.startswith(("http://", "https://")):
         fail(f"--endpoint {endpoint!r} must be an http:// or https:// URL", 2)
-    if provider is ProviderChoice.auto:
+    if provider == "auto":
         found = md.detect_provider(endpoint, timeout=min(timeout, 1.0))
         if found is None:
             where = endpoint or "the default metadata endpoints"
             fail(f"no AWS, GCP or Azure metadata service answered at {where}")
         chosen = found
     else:
-        chosen = md.Provider(provider.value)
+        chosen = md.Provider(provider)
     kw: dict[str, float] = {"timeout": timeout}
     if chosen is md.Provider.azure:
         kw["first_timeout"] = max(timeout, 30.0)

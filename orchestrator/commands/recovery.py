@@ -8,7 +8,6 @@ and, through the agents on any launcher, faults a rank injects into itself
 (NaN, loss spike, OOM, Xid, transport error, user error).
 """
 
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,18 +21,13 @@ from orchestrator.commands.common import (
     console,
     print_json,
 )
+from orchestrator.contract import Provider
 from orchestrator.incident_report import incident_evidence, incident_table
 
 chaos_app = typer.Typer(help="Inject failures into a job on the local launcher.")
 
 JobArg = Annotated[str, typer.Argument(help="job id")]
 NodeOpt = Annotated[int, typer.Option("--node", min=0, help="node rank in the current attempt")]
-
-
-class Provider(StrEnum):
-    aws = "aws"
-    gcp = "gcp"
-    azure = "azure"
 
 
 def _chaos(job: str, body: dict[str, Any]) -> None:

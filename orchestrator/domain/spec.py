@@ -26,6 +26,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from orchestrator.contract import Cloud
+
 MAX_SPEC_BYTES = 256 * 1024
 #: The deepest nesting a free-form JSON value (event details, a report's ``detail``)
 #: may have. The agent's deepest (a Flight Recorder summary) is 5 levels.
@@ -48,7 +50,6 @@ _ACCEL_MEMORY = re.compile(
 )
 _NAME = re.compile(r"^[a-z0-9][a-z0-9\-_.]{0,62}$")
 
-Cloud = Literal["aws", "gcp", "azure", "kubernetes", "lambda", "runpod", "local"]
 
 
 class SpecError(ValueError):

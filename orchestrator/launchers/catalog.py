@@ -30,12 +30,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from orchestrator.contract import Cloud
 from orchestrator.domain.planner import Candidate
 
 CATALOG_SCHEMA_VERSION = "v8"  # sky.skylet.constants.CATALOG_SCHEMA_VERSION in 0.14
 
 #: Clouds whose catalog is a vms.csv table the planner can read offline.
-CATALOG_CLOUDS = ("aws", "gcp", "azure", "lambda", "runpod")
+CATALOG_CLOUDS: tuple[Cloud, ...] = ("aws", "gcp", "azure", "lambda", "runpod")
 
 COMMON_FILES = ("common/accelerators.csv", "common/metadata.csv")
 

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from orchestrator.cloud.metadata import PROVIDERS
+from orchestrator.cloud.metadata import PROVIDERS, RECLAIM_KIND, Provider
 from orchestrator.cloud.simulator import MetadataSimulator
 from orchestrator.domain.planner import Candidate
 from orchestrator.domain.reconcile import LauncherAbilities
@@ -726,8 +726,8 @@ class LocalLauncher:
                 f"so a {provider} notice would never be read (start the service with "
                 f"SKYRESUME_LOCAL_PROVIDER={provider})"
             )
-        kind = {"aws": "terminate", "gcp": "preempt", "azure": "preempt"}[provider]
-        self.metadata.schedule_notice(node_id, provider, kind, in_seconds)
+        kind = RECLAIM_KIND[Provider(provider)]
+        self.metadata.schedule_notice(node_id, provider, kind.value, in_seconds)
 
     def signal_pid(self, job_id: str, node_id: str, pid: int, sig: int) -> None:
         """Signal one process of a node, refusing pids that are not in that node's session."""

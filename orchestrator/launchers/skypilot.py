@@ -59,7 +59,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from orchestrator.contract import Env
+from orchestrator.cloud.metadata import DEFAULT_ENDPOINTS
+from orchestrator.contract import PROVIDERS, Env, Provider
 from orchestrator.domain.plan import Placement
 from orchestrator.domain.planner import Candidate, FailureRecord
 from orchestrator.domain.reconcile import LauncherAbilities
@@ -126,13 +127,6 @@ def sky_client_environment(environ: MutableMapping[str, str] | None = None) -> N
         env.setdefault(k, v)
 
 
-#: Metadata endpoints the agent polls on each provider (orchestrator.cloud.metadata).
-METADATA_URLS = {
-    "aws": "http://169.254.169.254",
-    "gcp": "http://metadata.google.internal",
-    "azure": "http://169.254.169.254",
-}
-
 #: SkyPilot's cluster-name rule, and a length every cloud accepts.
 _CLUSTER_NAME_MAX = 35
 
@@ -194,14 +188,17 @@ def run_envs(request: LaunchRequest, *, command: str, package: str = "skyresume"
         env[Env.ACTIVATION_CHECKPOINT_EVERY] = str(p.knobs.activation_checkpoint_every)
     env.setdefault(Env.JOB_ID, request.job_id)
     env.setdefault(Env.ATTEMPT, str(request.attempt))
-    provider = p.cloud if p.cloud in METADATA_URLS else "none"
+    # The agent polls its cloud's real metadata endpoint; a cloud whose notices it cannot
+    # read (kubernetes, lambda...) runs with notices off, never with another's poller.
+    provider = p.cloud if p.cloud in PROVIDERS else "none"
+    metadata_url = DEFAULT_ENDPOINTS[Provider(provider)] if provider != "none" else ""
     env.update(
         {
             "SKYRESUME_PACKAGE": package,
             "SKYRESUME_COMMAND": command,
             "SKYRESUME_RANKS_PER_NODE": str(request.ranks_per_node),
             "SKYRESUME_PROVIDER": provider,
-            "SKYRESUME_METADATA_URL": METADATA_URLS.get(provider, ""),
+            "SKYRESUME_METADATA_URL": metadata_url,
             "SKYRESUME_GRACE_S": f"{request.grace_s:g}",
             NODE_DIR_ENV: f"~/skyresume/{task_name_for(request)}",
             # Nodes often have no internet: SkyPilot's own code on them sends no telemetry.

@@ -12,6 +12,7 @@ import typer
 from cloud_checkpoints import make_local_checkpoint, shards
 from typer.testing import CliRunner
 
+from orchestrator.cloud import metadata as md
 from orchestrator.cloud.simulator import MetadataSimulator
 from orchestrator.cloud.storage import upload_checkpoint
 from orchestrator.commands.cloud import register
@@ -32,9 +33,9 @@ def run(*args: str):  # type: ignore[no-untyped-def]
     return CliRunner().invoke(cli(), list(args))
 
 
-@pytest.mark.parametrize("provider", ["aws", "gcp", "azure"])
+@pytest.mark.parametrize("provider", md.PROVIDERS)
 def test_probe_prints_the_notice_as_json(sim: MetadataSimulator, provider: str) -> None:
-    sim.schedule_notice("n1", provider, "preempt" if provider != "aws" else "terminate", 60)
+    sim.schedule_notice("n1", provider, md.RECLAIM_KIND[md.Provider(provider)], 60)
     r = run("metadata", "probe", "--provider", provider, "--endpoint", sim.node_url("n1"))
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
@@ -61,6 +62,12 @@ def test_probe_of_a_broken_endpoint_fails_with_one_error_line(sim: MetadataSimul
     assert r.exit_code != 0
     assert r.stderr.startswith("error: gcp metadata unreadable")
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_probe_refuses_a_provider_whose_notices_it_cannot_read() -> None:
+    r = run("metadata", "probe", "--provider", "oracle")
+    assert r.exit_code == 2
+    assert "oracle" in r.output
 
 
 def test_probe_refuses_a_non_url_endpoint() -> None:
