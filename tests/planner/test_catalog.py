@@ -8,7 +8,9 @@ import pytest
 
 from orchestrator.domain.planner import rank_candidates
 from orchestrator.domain.spec import validate_job_spec
+from orchestrator.contract import CLOUDS
 from orchestrator.launchers.catalog import (
+    CATALOG_CLOUDS,
     CatalogUnavailable,
     UnknownAccelerator,
     gather_candidates,
@@ -29,6 +31,11 @@ def spec(**kw):
             **kw,
         }
     )
+
+
+def test_every_catalog_cloud_is_a_cloud_a_spec_may_name():
+    # A catalog cloud the spec refuses could never be planned onto by name.
+    assert set(CATALOG_CLOUDS) <= set(CLOUDS)
 
 
 def test_rows_carry_region_prices_and_gpu_memory(sky):
