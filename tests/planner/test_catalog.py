@@ -6,9 +6,9 @@ from datetime import UTC, datetime
 
 import pytest
 
+from orchestrator.contract import CLOUDS
 from orchestrator.domain.planner import rank_candidates
 from orchestrator.domain.spec import validate_job_spec
-from orchestrator.contract import CLOUDS
 from orchestrator.launchers.catalog import (
     CATALOG_CLOUDS,
     CatalogUnavailable,
