@@ -399,6 +399,38 @@ class FaultKind(StrEnum):
     USER_ERROR = "user_error"  # the rank raises KeyError from its own frame
 
 
+class AnomalyKind(StrEnum):
+    """What a rank's monitor found: the ``anomaly`` datagram's ``kind`` (training/run.py
+    sends it, the agent reads it)."""
+
+    NAN = "nan"  # a non-finite loss or gradient; every rank skipped the update
+    SPIKE = "spike"  # the loss jumped far above its trend and stayed there
+    STRAGGLER = "straggler"  # one rank's steps hold every rank back
+    SLOW_LINK = "slow_link"  # one rank's checkpoint uploads crawl: its node's own link
+    SILENT_CORRUPTION = "silent_corruption"  # the reference forward pass drifted
+
+
+class AnomalyFinding(StrEnum):
+    """What an anomaly report says was found (``AnomalyReport.finding``): the failure
+    class its event is recorded under, so each value is a ``FailureClass`` value too (a
+    test holds them so; the contract imports nothing of the service's)."""
+
+    NAN_DIVERGENCE = "nan_divergence"
+    LOSS_SPIKE = "loss_spike"
+    SLOW_PEER = "slow_peer"
+    SILENT_CORRUPTION = "silent_corruption"
+
+
+#: The finding each datagram kind is reported as (the agent's one translation).
+ANOMALY_FINDINGS: dict[AnomalyKind, AnomalyFinding] = {
+    AnomalyKind.NAN: AnomalyFinding.NAN_DIVERGENCE,
+    AnomalyKind.SPIKE: AnomalyFinding.LOSS_SPIKE,
+    AnomalyKind.STRAGGLER: AnomalyFinding.SLOW_PEER,
+    AnomalyKind.SLOW_LINK: AnomalyFinding.SLOW_PEER,  # the service drains the node either way
+    AnomalyKind.SILENT_CORRUPTION: AnomalyFinding.SILENT_CORRUPTION,
+}
+
+
 class Provider(StrEnum):
     """The clouds whose metadata notices the agent reads (``orchestrator.cloud.metadata``
     parses each one's format). The one list of them: the settings, the agent's and the
@@ -548,7 +580,7 @@ def check_commit(commit_bytes: bytes, manifest_bytes: bytes, *, source: str = "C
 #:   loaded and before the first optimizer step; step 0 / digest None = fresh start)
 #: * ``checkpoint``: step, path, uploaded_uri, world_size, blocking_s (rank 0, after a
 #:   commit; blocking_s = how long training waited for the save)
-#: * ``anomaly``: kind (nan | spike | straggler | silent_corruption), step, detail
+#: * ``anomaly``: kind (an :class:`AnomalyKind`), step, detail
 #: * ``exit``: code, reason (best effort, just before a deliberate exit)
 #: * ``regroup``: generation (the one left), reason (``RegroupReason``), error (the
 #:   collective's error text, or null), step (steps done in memory), saved_step (the step

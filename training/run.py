@@ -95,6 +95,7 @@ from urllib.parse import urlparse
 
 from orchestrator.contract import (
     MANIFEST_NAME,
+    AnomalyKind,
     Env,
     ExitCode,
     FaultKind,
@@ -995,7 +996,7 @@ class Run:
         if bad.item():
             self.optimizer.zero_grad(set_to_none=True)  # the weights are untouched
             self._anomaly(
-                "nan",
+                AnomalyKind.NAN,
                 f"loss {loss_f}, grad norm {gn} on rank {self.rank}",
                 onset_step=self.step,  # a NaN has no persistence: it begins where it is seen
             )
@@ -1322,7 +1323,7 @@ class Run:
         self.findings.append(Finding("loss_spike", spike.onset_step, spike.onset_value, evidence))
         print(f"rank {self.rank}: loss spike: {evidence}", file=sys.stderr, flush=True)
         self._anomaly(
-            "spike",
+            AnomalyKind.SPIKE,
             f"loss_spike on rank {self.rank}: {evidence}",
             step=spike.onset_step,
             metric="loss",
@@ -1358,7 +1359,7 @@ class Run:
             self.findings.append(finding)
             if self.rank == 0:  # one report per finding, not one per rank
                 # Which rank is slow, so the service can blame its node, not rank 0's.
-                self._anomaly("straggler", finding.evidence, slow_rank=slowest)
+                self._anomaly(AnomalyKind.STRAGGLER, finding.evidence, slow_rank=slowest)
 
     def _check_reference(self) -> None:
         import torch
@@ -1376,7 +1377,7 @@ class Run:
         if finding is None:
             return
         self.findings.append(finding)
-        self._anomaly("silent_corruption", finding.evidence)
+        self._anomaly(AnomalyKind.SILENT_CORRUPTION, finding.evidence)
         print(f"rank {self.rank}: {finding.evidence}", file=sys.stderr)
         if self.checkpointer is not None:
             self.checkpointer.close()  # an earlier save predates the divergence
@@ -1416,7 +1417,7 @@ class Run:
             # Which rank's link is slow, so the service can blame its node.
             rank, finding = slow
             self.findings.append(finding)
-            self._anomaly("slow_link", finding.evidence, step=c.step, slow_rank=rank)
+            self._anomaly(AnomalyKind.SLOW_LINK, finding.evidence, step=c.step, slow_rank=rank)
         if self.rank == 0:
             self.reporter.send(
                 "checkpoint",
@@ -1427,9 +1428,11 @@ class Run:
                 blocking_s=None if c.blocking_s is None else round(c.blocking_s, 4),
             )
 
-    def _anomaly(self, kind: str, detail: str, *, step: int | None = None, **fields: Any) -> None:
+    def _anomaly(
+        self, kind: AnomalyKind, detail: str, *, step: int | None = None, **fields: Any
+    ) -> None:
         step = self.step if step is None else step
-        self.reporter.send("anomaly", kind=kind, step=step, detail=detail, **fields)
+        self.reporter.send("anomaly", kind=kind.value, step=step, detail=detail, **fields)
 
     def _exit(self, code: ExitCode, reason: str) -> NoReturn:
         self.reporter.send("exit", code=int(code), reason=reason)

@@ -65,6 +65,7 @@ from orchestrator.agent.progress import ProgressBoard, ProgressListener, finite
 from orchestrator.cloud import metadata as md
 from orchestrator.contract import (
     AGENT_PROTOCOL,
+    ANOMALY_FINDINGS,
     MEMBERSHIP_KEY,
     CommandType,
     Env,
@@ -588,16 +589,6 @@ def node_outcome(ranks: list[rk.Rank], stop_reason: str | None) -> tuple[int, st
     return EXIT_FAILED, f"rank {r.rank} ended with {how}{tail}"
 
 
-#: Datagram anomaly kinds -> report findings (failure classes).
-ANOMALY_FINDINGS = {
-    "nan": "nan_divergence",
-    "spike": "loss_spike",
-    "straggler": "slow_peer",
-    "slow_link": "slow_peer",  # its checkpoint uploads crawl: the node's own link
-    "silent_corruption": "silent_corruption",
-}
-
-
 def write_control_file(path: Path, updates: dict[str, Any]) -> None:
     """Merge ``updates`` into the JSON control file atomically (temp + rename), so a
     rank re-reading it never sees half a file."""
@@ -871,7 +862,7 @@ class Agent:
                 ReportKind.ANOMALY,
                 f"anomaly:{doc['rank']}:{doc.get('kind')}:{step}",
                 rank=doc["rank"],
-                finding=finding,
+                finding=finding.value,
                 step=step,
                 detail=json_safe(detail),
             )

@@ -28,7 +28,14 @@ from sqlalchemy import Table, bindparam, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from orchestrator.contract import AttemptState, CommandType, ExitCode, NodeState, ReportKind
+from orchestrator.contract import (
+    AnomalyFinding,
+    AttemptState,
+    CommandType,
+    ExitCode,
+    NodeState,
+    ReportKind,
+)
 from orchestrator.domain.failures import (
     Classification,
     FailureClass,
@@ -400,14 +407,8 @@ def poll_commands(
     return commands_after(session, job_id, attempt, node_id, after)
 
 
-_ANOMALY_CLASSES = frozenset(
-    {
-        FailureClass.NAN_DIVERGENCE,
-        FailureClass.LOSS_SPIKE,
-        FailureClass.SLOW_PEER,
-        FailureClass.SILENT_CORRUPTION,
-    }
-)
+#: The failure classes an anomaly report may name: the contract's findings.
+_ANOMALY_CLASSES = frozenset(FailureClass(f.value) for f in AnomalyFinding)
 
 
 def _event_fields(kind: str, report: dict[str, Any]) -> dict[str, Any]:

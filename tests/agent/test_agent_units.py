@@ -24,7 +24,7 @@ from orchestrator.agent.main import (
     write_control_file,
 )
 from orchestrator.agent.progress import ProgressBoard, ProgressListener
-from orchestrator.contract import Env
+from orchestrator.contract import ANOMALY_FINDINGS, AnomalyKind, Env
 
 BASE = ["--job-id", "j", "--attempt", "1", "--node-id", "n0", "--local-dir", "/tmp/x"]
 
@@ -413,3 +413,38 @@ def test_agent_sigterm_without_a_service_stops_ranks_and_exits_75(tmp_path):
     assert proc.returncode == 75, err
     assert sorted(p.name for p in marks.iterdir()) == ["sigterm_0", "sigterm_1", "sigterm_2"]
     assert "ranks saved and stopped (agent received SIGTERM)" in err
+
+
+@pytest.mark.parametrize("kind", list(AnomalyKind), ids=str)
+def test_each_anomaly_a_rank_sends_is_reported_as_a_finding_the_service_records(tmp_path, kind):
+    # The rank's kind, the agent's finding, the API's accepted findings and the store's
+    # failure classes are four readers of one list: a kind dropped by any of them is an
+    # anomaly the reconciler never sees (the agent logs it; the API answers 422).
+    from pydantic import TypeAdapter
+
+    from orchestrator.api.routes_agents import Report
+    from orchestrator.domain.failures import FailureClass
+    from orchestrator.store.agents import _event_fields
+
+    agent = _agent(tmp_path)
+    sent: list[dict] = []
+    agent.report = lambda k, key, **f: sent.append({"key": key, "kind": k, **f})  # type: ignore[method-assign]
+    try:
+        agent._on_datagram({"type": "anomaly", "rank": 1, "kind": kind.value, "step": 7})
+    finally:
+        agent.listener.stop()
+    [doc] = sent
+    assert doc["finding"] == ANOMALY_FINDINGS[kind]
+    report = TypeAdapter(Report).validate_python(doc).model_dump()
+    assert FailureClass(_event_fields("anomaly", report)["failure_class"]) == doc["finding"]
+
+
+def test_a_datagram_of_an_unknown_anomaly_kind_is_not_reported(tmp_path):
+    agent = _agent(tmp_path)
+    sent: list[dict] = []
+    agent.report = lambda k, key, **f: sent.append(f)  # type: ignore[method-assign]
+    try:
+        agent._on_datagram({"type": "anomaly", "rank": 1, "kind": "meh", "step": 7})
+    finally:
+        agent.listener.stop()
+    assert sent == []
