@@ -4,10 +4,12 @@ progress board, the control file. Processes and sockets here are real."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,6 +26,8 @@ from orchestrator.agent.main import (
     write_control_file,
 )
 from orchestrator.agent.progress import ProgressBoard, ProgressListener
+from orchestrator.cloud import metadata as md
+from orchestrator.cloud.simulator import MetadataSimulator
 from orchestrator.contract import ANOMALY_FINDINGS, AnomalyKind, Env
 
 BASE = ["--job-id", "j", "--attempt", "1", "--node-id", "n0", "--local-dir", "/tmp/x"]
@@ -302,7 +306,7 @@ def test_control_file_is_merged_and_replaced_atomically(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["control.json"]  # no temp left
 
 
-def _agent(tmp_path: Path) -> Agent:
+def _agent(tmp_path: Path, *flags: str) -> Agent:
     cfg = parse_args(
         [
             "--job-id",
@@ -313,6 +317,7 @@ def _agent(tmp_path: Path) -> Agent:
             "n1",
             "--local-dir",
             str(tmp_path),
+            *flags,
             "--",
             "python",
             "x.py",
@@ -448,3 +453,54 @@ def test_a_datagram_of_an_unknown_anomaly_kind_is_not_reported(tmp_path):
     finally:
         agent.listener.stop()
     assert sent == []
+
+
+#: The notices the simulator serves that leave the VM running (its GCP maintenance is
+#: TERMINATE_ON_HOST_MAINTENANCE, which ends spot and GPU VMs).
+WARNINGS_ONLY = {("aws", "rebalance"), ("azure", "freeze")}
+
+
+@pytest.mark.parametrize(
+    "provider, kind",
+    [(p.value, k.value) for p in md.Provider for k in sorted(md.NOTICE_KINDS[p])],
+    ids=lambda v: str(v),
+)
+def test_the_agent_acts_on_a_notice_that_ends_the_vm_and_only_logs_a_warning(
+    tmp_path, caplog, provider, kind
+):
+    class StopOnWarning(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("advisory notice"):
+                warned.append(record.getMessage())
+                agent._exit.set()  # the loop would poll on: the warning was logged
+
+    warned: list[str] = []
+    acted: list[md.Notice] = []
+    handler = StopOnWarning()
+    caplog.set_level(logging.INFO, logger="skyresume.agent")  # the warning is logged at INFO
+    logging.getLogger("skyresume.agent").addHandler(handler)
+    with MetadataSimulator(providers=(provider,)) as sim:
+        sim.schedule_notice("n1", provider, kind, 120)
+        agent = _agent(
+            tmp_path,
+            "--provider",
+            provider,
+            "--metadata-url",
+            sim.node_url("n1"),
+            "--poll-s",
+            "0.05",
+        )
+        agent.on_notice = acted.append  # type: ignore[method-assign]
+        try:
+            loop = threading.Thread(target=agent._metadata_loop, daemon=True)
+            loop.start()
+            loop.join(30)
+            assert not loop.is_alive(), "the metadata loop neither acted nor logged a warning"
+        finally:
+            agent._exit.set()
+            agent.listener.stop()
+            logging.getLogger("skyresume.agent").removeHandler(handler)
+    if (provider, kind) in WARNINGS_ONLY:
+        assert acted == [] and kind in warned[0]
+    else:
+        assert [(n.provider, n.kind) for n in acted] == [(provider, kind)] and warned == []
