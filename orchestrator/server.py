@@ -29,12 +29,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping
 
     from fastapi import FastAPI
 
     from orchestrator.domain.reconcile import ReconcileConfig
     from orchestrator.launchers.base import Launcher
+    from orchestrator.launchers.local import LocalLauncherConfig
     from orchestrator.reconciler.loop import Reconciler
     from orchestrator.settings import Settings
 
@@ -328,7 +329,7 @@ def launcher_note(service: Service) -> str:
     from orchestrator.launchers.local import LocalLauncher
 
     launcher = service.app.state.launcher
-    return launcher.network_note if isinstance(launcher, LocalLauncher) else ""
+    return launcher.config.network_note if isinstance(launcher, LocalLauncher) else ""
 
 
 def node_service_url(settings: Settings, launcher: Launcher) -> str:
@@ -413,6 +414,44 @@ def local_bridge(settings: Settings) -> tuple[str, str]:
     return bridge, subnet
 
 
+def local_launcher_config(
+    settings: Settings,
+    *,
+    network: str,
+    network_note: str,
+    package: str,
+    environ: Mapping[str, str],
+) -> LocalLauncherConfig:
+    """The local launcher's config from the service's settings: the one place the
+    ``SKYRESUME_LOCAL_*`` settings (and the environment variables they name: the
+    checkpoint store's, ``local_node_env``'s) become launcher values. ``network`` is
+    resolved already (``local_network``: never ``auto``)."""
+    from orchestrator.launchers.local import STORAGE_ENV, LocalLauncherConfig
+
+    return LocalLauncherConfig(
+        provider=settings.local_provider,
+        network=network,
+        network_note=network_note,
+        regions=tuple(settings.local_regions.split(",")),
+        hosts_per_region=settings.local_hosts_per_region,
+        provision_delay_s=settings.local_provision_delay_s,
+        gpu_memory_gib=settings.local_gpu_memory_gib,
+        replacement_gpu_memory_gib=settings.local_replacement_gpu_memory_gib,
+        package=package,
+        pip_args=settings.pip_args or "--no-index --no-deps",
+        storage_env={k: environ[k] for k in STORAGE_ENV if environ.get(k)},
+        # Named ones only, never a token: nothing else of the service's environment
+        # reaches a node.
+        image_env={
+            k: environ[k]
+            for k in (n.strip() for n in settings.local_node_env.split(","))
+            if k and k in environ and not k.endswith("TOKEN")
+        },
+        keep_survivors=settings.local_keep_survivors,
+        release_single_nodes=settings.local_release_single_nodes,
+    )
+
+
 def _local_launcher(
     settings: Settings, token: str, cleanup: contextlib.ExitStack, wheels: Any = None
 ) -> Launcher:
@@ -421,7 +460,7 @@ def _local_launcher(
     the checkpoint store's endpoint and keys passed to nodes as task secrets."""
     import os
 
-    from orchestrator.launchers.local import STORAGE_ENV, LocalLauncher
+    from orchestrator.launchers.local import LocalLauncher
     from orchestrator.package import agent_package_spec
 
     mode, why = local_network(settings)
@@ -437,30 +476,10 @@ def _local_launcher(
         # Nodes reach the service at its address on the bridge (a real, routable one).
         url = settings.public_url or f"{settings.scheme}://{fabric.gateway}:{settings.port}"
     package = agent_package_spec(settings.model_copy(update={"public_url": url}), wheels)
-    local = LocalLauncher(
-        root,
-        url,
-        enrolments(settings, token),
-        provider=settings.local_provider,
-        gpu_memory_gib=settings.local_gpu_memory_gib,
-        replacement_gpu_memory_gib=settings.local_replacement_gpu_memory_gib,
-        regions=tuple(settings.local_regions.split(",")),
-        hosts_per_region=settings.local_hosts_per_region,
-        network=mode,
-        provision_delay_s=settings.local_provision_delay_s,
-        package=package,
-        pip_args=settings.pip_args or "--no-index --no-deps",
-        storage_env={k: os.environ[k] for k in STORAGE_ENV if os.environ.get(k)},
-        image_env={
-            k: os.environ[k]
-            for k in (n.strip() for n in settings.local_node_env.split(","))
-            if k and k in os.environ and not k.endswith("TOKEN")
-        },
-        fabric=fabric,
-        network_note=why,
-        keep_survivors=settings.local_keep_survivors,
-        release_single_nodes=settings.local_release_single_nodes,
+    config = local_launcher_config(
+        settings, network=mode, network_note=why, package=package, environ=os.environ
     )
+    local = LocalLauncher(root, url, enrolments(settings, token), config, fabric=fabric)
     if fabric is not None:
         cleanup.callback(_teardown_when_idle, fabric, local)
     cleanup.callback(local.close)

@@ -39,7 +39,8 @@ import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -161,9 +162,80 @@ def _signal_all(pids: list[int], sig: int) -> None:
             os.kill(pid, sig)
 
 
+@dataclass(frozen=True)
+class LocalLauncherConfig:
+    """How the local launcher plays a cloud: every choice but the service's address,
+    its tokens and a caller's own network. The service builds it from its settings in
+    one place (``server.local_launcher_config``: the ``SKYRESUME_LOCAL_*`` settings and
+    the environment they name); a test sets only what it tests."""
+
+    provider: str = "aws"
+    """Whose metadata format the nodes' agents poll (a ``contract.PROVIDERS`` name):
+    chaos ``preempt`` can send only that provider's notice."""
+    network: str = "loopback"
+    """``netns``: each node a network namespace on a bridge, its own IP and metadata
+    address (needs root); ``loopback``: nodes share this machine's loopback (no
+    partitions, no kept survivors). Never ``auto``: the service resolves that first."""
+    network_note: str = ""
+    """How the nodes are hosts here (netns, or why not), for the service's banner."""
+    regions: tuple[str, ...] = ("local",)
+    """The regions a placement may name; ``chaos stockout R`` makes one refuse launches."""
+    hosts_per_region: int = 8
+    """Hosts in each region; a host blamed for a hardware fault is never reused, so a
+    region runs out after this many."""
+    provision_delay_s: float = 0.0
+    """How long a launch provisions before its setup runs (a cloud VM takes minutes);
+    the reconciler polls it, never waits on it."""
+    gpu_memory_gib: float | None = None
+    """GPU memory the nodes declare; None: CPU only, no memory planning."""
+    replacement_gpu_memory_gib: float | None = None
+    """GPU memory a replacement node declares (None: ``gpu_memory_gib``): less makes the
+    memory planner replan activation checkpointing and micro-batch on this machine."""
+    package: str = ""
+    """What each node's setup installs the agent from (the service's wheel URL); empty:
+    the agent on the image's PATH is used as it is (no setup install)."""
+    pip_args: str = "--no-index --no-deps"
+    """Extra pip arguments of that install (the nodes have no index here)."""
+    template: str = "gpt-cpu"
+    """The task template a job without its own task YAML is rendered from."""
+    python: str = sys.executable
+    """The image's Python: it runs the boot process, the metadata fronts and (its
+    directory first on PATH) each node's own environment."""
+    poll_s: float = 1.0
+    """Seconds between the agents' metadata polls (``SKYRESUME_POLL_S``)."""
+    heartbeat_s: float = 1.0
+    """Seconds between the agents' heartbeats (``SKYRESUME_HEARTBEAT_S``)."""
+    storage_env: Mapping[str, str] = field(default_factory=dict)
+    """The checkpoint store's endpoint and keys (``STORAGE_ENV`` names), passed to
+    nodes as task secrets."""
+    image_env: Mapping[str, str] = field(default_factory=dict)
+    """What the nodes' image sets (``SKYRESUME_LOCAL_NODE_ENV``), under the task's envs."""
+    keep_survivors: bool = True
+    """After a node loss keep the healthy nodes and launch only the replacement (netns
+    only: on loopback two launches' ports would collide)."""
+    release_single_nodes: bool = True
+    """Whether a lost node of a launch can be given back alone (netns only); false
+    behaves like SkyPilot: a cluster goes whole."""
+
+    def __post_init__(self) -> None:
+        if self.provider not in PROVIDERS:
+            raise ValueError(
+                f"provider must be one of {', '.join(PROVIDERS)}, got {self.provider!r}"
+            )
+        if not self.regions or self.hosts_per_region < 1:
+            raise ValueError("the local launcher needs at least one region and one host in each")
+        if self.network not in ("netns", "loopback"):
+            raise ValueError(f"network must be netns or loopback, got {self.network!r}")
+        # Frozen, and the caller's mappings copied: a launch reads these from threads.
+        object.__setattr__(self, "regions", tuple(self.regions))
+        object.__setattr__(self, "storage_env", dict(self.storage_env))
+        object.__setattr__(self, "image_env", dict(self.image_env))
+
+
 class LocalLauncher:
     """This machine as a cloud (see the module docstring). ``token_for(job_id, attempt)``
-    gives the agent's token for that attempt, which reaches the node as a task secret."""
+    gives the agent's token for that attempt, which reaches the node as a task secret;
+    ``config`` says how the cloud behaves (:class:`LocalLauncherConfig`)."""
 
     name = "local"
     abilities = LauncherAbilities(restarts_in_place=True, chaos=True)
@@ -173,64 +245,22 @@ class LocalLauncher:
         root: Path,
         service_url: str,
         token_for: Callable[[str, int], str],
+        config: LocalLauncherConfig | None = None,
         *,
-        provider: str = "aws",
-        python: str = sys.executable,
-        poll_s: float = 1.0,
-        heartbeat_s: float = 1.0,
-        gpu_memory_gib: float | None = None,
-        replacement_gpu_memory_gib: float | None = None,
-        regions: tuple[str, ...] = ("local",),
-        hosts_per_region: int = 8,
-        network: str = "loopback",
-        provision_delay_s: float = 0.0,
-        package: str = "",
-        pip_args: str = "--no-index --no-deps",
-        storage_env: dict[str, str] | None = None,
-        template: str = "gpt-cpu",
         fabric: Any = None,
-        network_note: str = "",
-        keep_survivors: bool = True,
-        release_single_nodes: bool = True,
-        image_env: dict[str, str] | None = None,
     ) -> None:
-        if provider not in PROVIDERS:
-            raise ValueError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
         self.root = Path(root)
         self.service_url = service_url.rstrip("/")
         self.token_for = token_for
-        self.provider = provider
-        self.python = python
-        self.poll_s = poll_s
-        self.heartbeat_s = heartbeat_s
-        self.gpu_memory_gib = gpu_memory_gib
-        self.replacement_gpu_memory_gib = replacement_gpu_memory_gib
-        if not regions or hosts_per_region < 1:
-            raise ValueError("the local launcher needs at least one region and one host in each")
-        self.regions = tuple(regions)
-        self.hosts_per_region = hosts_per_region
-        if network not in ("netns", "loopback"):
-            raise ValueError(f"network must be netns or loopback, got {network!r}")
-        self.network = network
+        self.config = cfg = config if config is not None else LocalLauncherConfig()
         # Nodes of two launches form one group only where each node is a host with
         # an address of its own (on shared loopback, ports would collide).
         self.abilities = LauncherAbilities(
             restarts_in_place=True,
             chaos=True,
-            keeps_survivors=network == "netns" and keep_survivors,
-            releases_single_nodes=network == "netns" and release_single_nodes,
+            keeps_survivors=cfg.network == "netns" and cfg.keep_survivors,
+            releases_single_nodes=cfg.network == "netns" and cfg.release_single_nodes,
         )
-        self.provision_delay_s = provision_delay_s
-        self.package = package
-        """What each node's setup installs the agent from (the service's wheel URL);
-        empty: the agent on the image's PATH is used as it is (no setup install)."""
-        self.pip_args = pip_args
-        self.storage_env = dict(storage_env or {})
-        self.image_env = dict(image_env or {})
-        """What the nodes' image sets (``SKYRESUME_LOCAL_NODE_ENV``), under the task's envs."""
-        self.template = template
-        self.network_note = network_note
-        """How the nodes are hosts here, for the service's banner (netns or why not)."""
         self._fabric: Any = fabric
         """A Fabric made by the caller (its bridge and subnet); else made on first use."""
         self._sim: MetadataSimulator | None = None
@@ -242,7 +272,7 @@ class LocalLauncher:
     @property
     def fabric(self) -> Any:
         """The namespaces-on-a-bridge network (``network="netns"``), made on first use."""
-        if self.network != "netns":
+        if self.config.network != "netns":
             return None
         with self._lock:
             if self._fabric is None:
@@ -341,8 +371,8 @@ class LocalLauncher:
         relaunch) declare a GPU size the nodes pretend to have, so that a replacement
         with less memory exercises the memory planner's replanning on this machine.
         """
-        gib = self.replacement_gpu_memory_gib if replacement else self.gpu_memory_gib
-        gib = gib if gib is not None else self.gpu_memory_gib
+        gib = self.config.replacement_gpu_memory_gib if replacement else self.config.gpu_memory_gib
+        gib = gib if gib is not None else self.config.gpu_memory_gib
         return [
             Candidate(
                 cloud="local",
@@ -354,7 +384,7 @@ class LocalLauncher:
                 price_per_node_hour=0.0,
                 spot_price_per_node_hour=0.0,
             )
-            for r in self.regions
+            for r in self.config.regions
         ]
 
     # --- capacity (a stocked-out region refuses launches, like a cloud) -------------------
@@ -374,9 +404,9 @@ class LocalLauncher:
     def stockout(self, region: str, *, seconds: float = 600.0) -> None:
         """Chaos: ``region`` has no capacity for ``seconds`` (0 lifts it). Kept in a file,
         so a restarted service still sees it."""
-        if region not in self.regions:
+        if region not in self.config.regions:
             raise LaunchError(
-                f"no local region {region!r}: this service has {', '.join(self.regions)} "
+                f"no local region {region!r}: this service has {', '.join(self.config.regions)} "
                 "(SKYRESUME_LOCAL_REGIONS)"
             )
         doc = self.stocked_out()
@@ -419,7 +449,7 @@ class LocalLauncher:
         taken = self._allocated()
         free = [
             h
-            for h in (f"{region}-host{i}" for i in range(self.hosts_per_region))
+            for h in (f"{region}-host{i}" for i in range(self.config.hosts_per_region))
             if h not in exclude and h not in taken
         ]
         if len(free) < count:
@@ -444,7 +474,7 @@ class LocalLauncher:
         from orchestrator.launchers.skypilot import SkyPilotLauncher
 
         builder = SkyPilotLauncher(
-            token_for=self.token_for, template=self.template, package=self.package
+            token_for=self.token_for, template=self.config.template, package=self.config.package
         )
         return builder.node_config(request, request.task)
 
@@ -460,20 +490,20 @@ class LocalLauncher:
         service's environment."""
         home = self.node_home(request.job_id, node_id)
         venv = self.node_python(request.job_id, node_id)
-        image = f"{venv}/bin:{Path(self.python).parent}"
+        image = f"{venv}/bin:{Path(self.config.python).parent}"
         env: dict[str, str] = {
             "PATH": f"{image}:{_SYSTEM_PATH}",
             "VIRTUAL_ENV": str(venv),
             "HOME": str(home),
             "LANG": os.environ.get("LANG", "C.UTF-8"),
             "OMP_NUM_THREADS": "1",
-            **self.image_env,
+            **self.config.image_env,
         }
-        if "PATH" in self.image_env:  # the image's Python stays first on its PATH
-            env["PATH"] = f"{image}:{self.image_env['PATH']}"
+        if "PATH" in self.config.image_env:  # the image's Python stays first on its PATH
+            env["PATH"] = f"{image}:{self.config.image_env['PATH']}"
         env.update({str(k_): str(v) for k_, v in (task.get("envs") or {}).items()})
         env.update(secrets)
-        env.update(self.storage_env)
+        env.update(self.config.storage_env)
         env.update(
             {
                 "SKYPILOT_NODE_RANK": str(k),
@@ -482,14 +512,14 @@ class LocalLauncher:
                 "SKYPILOT_NUM_GPUS_PER_NODE": str(request.placement.accelerator_count or 0),
                 "SKYPILOT_TASK_ID": f"sky-{time.strftime('%Y-%m-%d-%H-%M-%S')}_{cluster}_1",
                 # This machine plays the provider: its metadata format, on the node.
-                "SKYRESUME_PROVIDER": self.provider,
+                "SKYRESUME_PROVIDER": self.config.provider,
                 "SKYRESUME_METADATA_URL": ""
                 if host is not None
                 else self.metadata.node_url(node_id),
                 "SKYRESUME_MASTER_PORT": str(master_port),
-                "SKYRESUME_HEARTBEAT_S": f"{self.heartbeat_s:g}",
-                "SKYRESUME_POLL_S": f"{self.poll_s:g}",
-                "SKYRESUME_PIP_ARGS": self.pip_args,
+                "SKYRESUME_HEARTBEAT_S": f"{self.config.heartbeat_s:g}",
+                "SKYRESUME_POLL_S": f"{self.config.poll_s:g}",
+                "SKYRESUME_PIP_ARGS": self.config.pip_args,
                 NODE_MARKER: f"{request.job_id}/{node_id}",
             }
         )
@@ -518,8 +548,10 @@ class LocalLauncher:
             if previous is not None and previous.hosts:
                 hosts = tuple(previous.hosts)
             else:
-                if region not in self.regions:
-                    raise LaunchError(f"no local region {region!r} ({', '.join(self.regions)})")
+                if region not in self.config.regions:
+                    raise LaunchError(
+                        f"no local region {region!r} ({', '.join(self.config.regions)})"
+                    )
                 hosts = self._hosts_for(region, nodes, request.exclude_hosts)
             task, secrets = self.render(request)
         except Exception:  # refused before it was accepted: the key may be asked again
@@ -540,7 +572,7 @@ class LocalLauncher:
                 self._keep_disk(job, previous.node_ids[k], node_id)
             self.metadata.node(node_id)  # the endpoint answers from boot
             if net[k] is not None:
-                fabric.start_metadata(net[k], self.metadata.node_url(node_id), self.python)
+                fabric.start_metadata(net[k], self.metadata.node_url(node_id), self.config.python)
             env = self._node_env(
                 task, secrets, request, k, node_id, ips, net[k], master_port, cluster
             )
@@ -561,7 +593,7 @@ class LocalLauncher:
             "hosts": list(hosts),
             "region": region,
             "instance_type": request.placement.instance_type,
-            "delay_s": self.provision_delay_s if previous is None else 0.0,
+            "delay_s": self.config.provision_delay_s if previous is None else 0.0,
             "check_capacity": previous is None,
             "stockout_file": str(self._stockout_file()),
             "state_file": str(state_file),
@@ -573,7 +605,7 @@ class LocalLauncher:
         log = open(self.root / job / f"{cluster}.boot.log", "ab")  # noqa: SIM115 - the child's
         try:
             boot = subprocess.Popen(
-                [self.python, "-m", "orchestrator.launchers.localboot", str(spec_file)],
+                [self.config.python, "-m", "orchestrator.launchers.localboot", str(spec_file)],
                 env={"PATH": os.environ.get("PATH", _SYSTEM_PATH), "HOME": str(self.root)},
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True,
@@ -719,10 +751,11 @@ class LocalLauncher:
         self._reap()
 
     def preempt(self, node_id: str, *, provider: str | None = None, in_seconds: float = 30) -> None:
-        provider = provider or self.provider
-        if provider != self.provider:
+        own = self.config.provider
+        provider = provider or own
+        if provider != own:
             raise LaunchError(
-                f"local nodes run as {self.provider}: their agents poll {self.provider} metadata, "
+                f"local nodes run as {own}: their agents poll {own} metadata, "
                 f"so a {provider} notice would never be read (start the service with "
                 f"SKYRESUME_LOCAL_PROVIDER={provider})"
             )
@@ -763,7 +796,7 @@ class LocalLauncher:
 
     def link_chaos_refusal(self) -> str | None:
         """None when partition and slow-link are real here; else why they are not."""
-        if self.network != "netns":
+        if self.config.network != "netns":
             return (
                 "partition and slow-link need each node in a network namespace of its own "
                 "(root and network namespaces: the local launcher with network=netns); this "

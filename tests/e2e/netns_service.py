@@ -17,7 +17,7 @@ from pathlib import Path
 
 def main(home: str, port: str, bridge: str, subnet: str) -> None:
     from orchestrator.api.auth import job_token
-    from orchestrator.launchers.local import LocalLauncher
+    from orchestrator.launchers.local import LocalLauncher, LocalLauncherConfig
     from orchestrator.launchers.netns import Fabric
     from orchestrator.package import agent_package_spec
     from orchestrator.reconciler.loop import Reconciler
@@ -38,9 +38,11 @@ def main(home: str, port: str, bridge: str, subnet: str) -> None:
         root,
         url,
         lambda j, a: job_token(app.state.token, j, a),
-        network="netns",
-        package=package,
-        pip_args=settings.pip_args or "--no-index --no-deps",
+        LocalLauncherConfig(
+            network="netns",
+            package=package,
+            pip_args=settings.pip_args or "--no-index --no-deps",
+        ),
     )
     launcher._fabric = fabric  # the private bridge, before the launcher makes srbr0
     service.cleanup.callback(fabric.teardown)

@@ -22,7 +22,7 @@ import pytest
 from testkit import job_spec
 
 from orchestrator.launchers.base import ChaosLauncher, LaunchError
-from orchestrator.launchers.local import LocalLauncher, node_id_for
+from orchestrator.launchers.local import LocalLauncher, LocalLauncherConfig, node_id_for
 from orchestrator.launchers.netns import Fabric
 
 REASON = Fabric.unavailable_reason()
@@ -58,8 +58,9 @@ def netns_launcher(tmp_path: Path) -> Iterator[LocalLauncher]:
     if REASON is not None:
         pytest.skip(f"no network fabric: {REASON}")
     launcher = LocalLauncher(
-        tmp_path / "nodes", "http://10.255.255.1:9", lambda j, a: "t", network="netns"
-    )
+        tmp_path / "nodes", "http://10.255.255.1:9", lambda j, a: "t",
+        LocalLauncherConfig(network="netns"),
+    )  # fmt: skip
     bridge = f"srbrc{secrets.token_hex(2)}"
     fabric = Fabric(
         tmp_path / "nodes" / "fabric", bridge=bridge, subnet=f"10.216.{random.randrange(256)}.0/24"

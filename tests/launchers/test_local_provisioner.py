@@ -7,6 +7,7 @@ the gpt-cpu template), network namespaces where we are root."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from dataclasses import replace
@@ -18,7 +19,7 @@ from orchestrator.contract import Env
 from orchestrator.domain.plan import Placement
 from orchestrator.domain.spec import TaskSpec
 from orchestrator.launchers.base import LaunchPhase, LaunchRequest
-from orchestrator.launchers.local import LocalLauncher, node_pids
+from orchestrator.launchers.local import LocalLauncher, LocalLauncherConfig, node_pids
 from orchestrator.launchers.netns import Fabric
 
 
@@ -75,7 +76,7 @@ def loopback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wheel: str):  # ty
     monkeypatch.setenv("SKYRESUME_TOKEN", "the-operator-token")  # must never reach a node
     launcher = LocalLauncher(
         tmp_path / "nodes", "http://10.255.255.1:9", lambda job, attempt: f"agent-token-{job}",
-        provision_delay_s=1.0, package=wheel,
+        LocalLauncherConfig(provision_delay_s=1.0, package=wheel),
     )  # fmt: skip
     yield launcher
     launcher.close()
@@ -128,8 +129,11 @@ def _wait_failed(launcher: LocalLauncher, handle, timeout: float = 30.0):  # typ
 
 def test_a_failing_setup_fails_the_request_naming_the_node_and_its_log(loopback):
     launcher = loopback
-    launcher.package = "http://10.255.255.1:9/v1/agent/dist/none.whl"  # unreachable
-    launcher.pip_args = "--no-index --no-deps --timeout 1 --retries 0"
+    launcher.config = dataclasses.replace(
+        launcher.config,
+        package="http://10.255.255.1:9/v1/agent/dist/none.whl",  # unreachable
+        pip_args="--no-index --no-deps --timeout 1 --retries 0",
+    )
     handle = launcher.launch(_request("j3", nodes=1))
     p = _wait_failed(launcher, handle, timeout=60)
     assert "setup failed on j3-a1-n0" in p.detail and "setup.log" in p.detail
@@ -164,8 +168,8 @@ def test_a_user_s_own_task_yaml_runs_its_setup_and_hands_its_run_to_the_agent(lo
 @pytest.mark.skipif(Fabric.unavailable_reason() is not None, reason="needs network namespaces")
 def test_nodes_in_namespaces_are_hosts_of_their_own(tmp_path: Path, wheel: str):
     launcher = LocalLauncher(
-        tmp_path / "nodes", "http://10.255.255.1:9", lambda job, attempt: "t", network="netns",
-        package=wheel,
+        tmp_path / "nodes", "http://10.255.255.1:9", lambda job, attempt: "t",
+        LocalLauncherConfig(network="netns", package=wheel),
     )  # fmt: skip
     try:
         handle = launcher.launch(_request("j4"))
@@ -193,8 +197,8 @@ def test_a_host_is_never_handed_out_twice_until_it_is_given_back(tmp_path: Path,
     from orchestrator.launchers.base import CapacityError
 
     launcher = LocalLauncher(
-        tmp_path / "nodes", "http://10.255.255.1:9", lambda job, attempt: "t", package=wheel,
-        hosts_per_region=1,
+        tmp_path / "nodes", "http://10.255.255.1:9", lambda job, attempt: "t",
+        LocalLauncherConfig(package=wheel, hosts_per_region=1),
     )  # fmt: skip
     try:
         first = launcher.launch(_request("j6", nodes=1))

@@ -439,14 +439,13 @@ def test_a_replacement_with_less_gpu_memory_gets_replanned_knobs_and_the_same_gl
     db_url, tmp_path
 ):
     """The local launcher's declared memory: 80 GiB first, 40 GiB for replacements."""
-    from orchestrator.launchers.local import LocalLauncher
+    from orchestrator.launchers.local import LocalLauncher, LocalLauncherConfig
 
     local = LocalLauncher(
         tmp_path / "nodes",
         "http://svc",
         lambda j, a: "t",
-        gpu_memory_gib=80,
-        replacement_gpu_memory_gib=40,
+        LocalLauncherConfig(gpu_memory_gib=80, replacement_gpu_memory_gib=40),
     )
     w = World(db_url, tmp_path)
     try:
