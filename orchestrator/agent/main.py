@@ -1574,9 +1574,20 @@ class Agent:
             elif failures or rc == 0:
                 r.exit_code, r.status_known = 0, True  # torchrun lists every non-zero exit
             else:
-                ex = self.board.snapshot(r.rank).exit
+                ex = self._exit_datagram(r.rank)
                 if ex and isinstance(ex.get("code"), int):
                     r.exit_code, r.status_known = ex["code"], True
+
+    def _exit_datagram(self, rank: int, wait_s: float = 1.0) -> dict[str, Any] | None:
+        """The rank's ``exit`` datagram. The listener thread may not have read it yet:
+        the rank sent it and exited, torchrun reaped it, and on a loaded node the agent
+        got here first (seen in CI: a rank that saved reported exit code None)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            ex = self.board.snapshot(rank).exit
+            if ex or time.monotonic() >= deadline:
+                return ex
+            time.sleep(0.02)
 
     # --- run ---------------------------------------------------------------------------
 

@@ -504,3 +504,34 @@ def test_the_agent_acts_on_a_notice_that_ends_the_vm_and_only_logs_a_warning(
         assert acted == [] and kind in warned[0]
     else:
         assert [(n.provider, n.kind) for n in acted] == [(provider, kind)] and warned == []
+
+
+def test_a_reaped_ranks_exit_datagram_read_late_still_gives_its_code(tmp_path):
+    """torchrun reaped the rank before the agent saw its status, and the rank's ``exit``
+    datagram is still on its way through the listener (a loaded node, seen in CI: a
+    rank that saved was reported with exit code None): the agent waits for it."""
+    import threading
+
+    from orchestrator.agent.main import Agent, parse_args
+
+    cfg = parse_args([
+        "--job-id", "j", "--attempt", "1", "--node-id", "j-a1-n0", "--node-rank", "0",
+        "--nnodes", "1", "--nproc-per-node", "1", "--local-dir", str(tmp_path),
+        "--service-url", "http://127.0.0.1:9", "--", "python", "x.py",
+    ])  # fmt: skip
+    a = Agent(cfg, token="t", environ={"PATH": "/bin"})
+    try:
+        a.ranks = [rk.Rank(rank=0, local_rank=0, pid=4242)]
+        a.ranks[0].exited = True  # gone, status unknown: torchrun reaped it
+
+        class Torchrun:
+            def wait(self, timeout=None):  # type: ignore[no-untyped-def]
+                return 1  # torchrun's own code, and its log lists no failed rank
+
+        a.torchrun = Torchrun()  # type: ignore[assignment]
+        late = threading.Timer(0.3, a.board.ingest, [b'{"type": "exit", "rank": 0, "code": 75}'])
+        late.start()
+        a._settle_torchrun()
+        assert (a.ranks[0].exit_code, a.ranks[0].status_known) == (75, True)
+    finally:
+        a.listener.stop()
