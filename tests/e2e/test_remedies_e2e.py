@@ -45,10 +45,6 @@ def at_step(http: Any, job: str, step: int, end: float) -> None:
     wait_for(http, job, f"step {step}", lambda st, n, v, s: v is not None and s >= step, end)
 
 
-def validated_attempt(http: Any, job: str, number: int, end: float) -> None:
-    wait_for(http, job, f"a validated attempt {number}", lambda st, n, v, s: n >= number and v, end)
-
-
 def incidents(http: Any, job: str) -> list[dict[str, Any]]:
     return list(api_get(http, f"/v1/jobs/{job}/incidents")["items"])
 
