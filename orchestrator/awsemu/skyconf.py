@@ -70,6 +70,7 @@ BASE_CATALOG = REPO_ROOT / "tests" / "planner" / "catalog" / "v8"
 EXTRA_CATALOG = REPO_ROOT / "tests" / "awsemu" / "catalog"
 
 SKY_HOME = "sky-home"
+PORT_TRIES = 3  # API server starts tried when its port was taken meanwhile
 STATE_FILE = "skyconf.json"
 CATALOG_VERSION = "v8"  # sky.skylet.constants.CATALOG_SCHEMA_VERSION for 0.14.1
 
@@ -87,6 +88,11 @@ class SkyLayout:
     @property
     def sky_home(self) -> Path:
         return self.emu_home / SKY_HOME
+
+    @property
+    def server_log(self) -> Path:
+        """Where ``sky api start`` has its server write (``~/.sky/api_server/server.log``)."""
+        return self.sky_home / ".sky" / "api_server" / "server.log"
 
     @property
     def catalog_dir(self) -> Path:
@@ -196,11 +202,36 @@ def sky_config() -> dict[str, object]:
     }
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to outgoing connections (32768 by default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A loopback port that binds now, chosen below the kernel's ephemeral range.
+
+    The API server binds this port only later (``sky api start``), and in between the
+    emulator's own clients open connections: a port from the ephemeral range can be
+    taken by one of them as its local port, and SkyPilot's server then exits with
+    "Port N is not available" (seen in CI). Ports below that range are never handed out
+    to outgoing connections.
+    """
+    import random
+
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = random.randrange(20000, low) if low > 20001 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            chosen: int = s.getsockname()[1]
+            return chosen
+    raise SkyConfError("no free loopback port below the ephemeral range")
 
 
 def write_client_home(emu_home: Path, endpoint: str, api_port: int | None = None) -> SkyLayout:
@@ -417,12 +448,29 @@ def start_api_server(emu_home: Path, timeout: float = 180) -> str:
     """
     if api_server_healthy(emu_home):
         stop_api_server(emu_home)
-    proc = _sky(emu_home, "api", "start", "--host", "127.0.0.1", timeout=timeout)
-    if proc.returncode != 0 or not api_server_healthy(emu_home):
-        raise SkyConfError(
-            f"sky api start failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}"
-        )
-    return api_server_url(emu_home)
+    for _ in range(PORT_TRIES):
+        proc = _sky(emu_home, "api", "start", "--host", "127.0.0.1", timeout=timeout)
+        if proc.returncode == 0 and api_server_healthy(emu_home):
+            return api_server_url(emu_home)
+        log = server_log_tail(emu_home)
+        if "is not available" not in log:
+            break
+        # Another process bound the port after it was chosen: a fresh one, then again.
+        state = read_state(emu_home)
+        write_client_home(emu_home, str(state["endpoint"]), api_port=free_port())
+    raise SkyConfError(
+        f"sky api start failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-2000:]}"
+        f"\n--- {SkyLayout(emu_home).server_log} (last lines) ---\n{log}"
+    )
+
+
+def server_log_tail(emu_home: Path, limit: int = 3000) -> str:
+    """The end of SkyPilot's own API server log, or a line saying there is none."""
+    path = SkyLayout(emu_home).server_log
+    try:
+        return path.read_text(errors="replace")[-limit:]
+    except OSError as e:
+        return f"(no server log: {e})"
 
 
 def stop_api_server(emu_home: Path, timeout: float = 60) -> None:

@@ -103,6 +103,11 @@ def test_the_api_port_survives_rewriting_the_client_home(tmp_path: Path) -> None
     assert skyconf.read_state(tmp_path) == {"endpoint": "http://127.0.0.1:2", "api_port": port}
 
 
+def test_the_api_port_is_never_one_the_kernel_hands_to_outgoing_connections() -> None:
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert all(skyconf.free_port() < low for _ in range(20))
+
+
 def test_the_env_command_prints_exports_a_shell_can_eval(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -213,6 +218,27 @@ def sky_home(moto_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield home
     finally:
         skyconf.stop_api_server(home)
+
+
+@pytest.mark.slow
+def test_an_api_port_taken_before_the_server_binds_it_is_swapped_for_a_free_one(
+    tmp_path: Path,
+) -> None:
+    # CI saw SkyPilot's server exit with "Port N is not available": the port chosen at
+    # prepare time had been taken by the time `sky api start` bound it.
+    skyconf.prepare(tmp_path, "http://127.0.0.1:1", runtime=False)
+    taken = int(str(skyconf.read_state(tmp_path)["api_port"]))
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        url = skyconf.start_api_server(tmp_path)
+        try:
+            port = int(str(skyconf.read_state(tmp_path)["api_port"]))
+            assert port != taken and url == f"http://127.0.0.1:{port}"
+            assert skyconf.api_server_healthy(tmp_path)
+        finally:
+            skyconf.stop_api_server(tmp_path)
+    assert not skyconf.api_server_healthy(tmp_path)
 
 
 def _sky(home: Path, *args: str) -> str:
