@@ -22,7 +22,7 @@ Example sequences (the job's statuses, then the incident's steps)::
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from enum import StrEnum
@@ -753,6 +753,30 @@ Action = (
     | MarkValidated
     | ReleaseSpare
 )
+
+FOLLOWED_AT_ONCE: tuple[type, ...] = (
+    OpenIncident, StartStep, FinishStep, RecordFailure, RecordAttempt, HoldWarm,
+    MarkProvisioned, MarkValidated,
+)  # fmt: skip
+"""Actions that only write down what the next round acts on (an incident opened, a
+protocol step started or finished, an attempt recorded, nodes held or up, a resume
+checked). Nothing outside the service has to happen first, so the next round is
+decided at once rather than one reconcile interval later: a recovery is a dozen such
+rounds, and at 0.5 s apiece they were most of an elastic shrink's pause."""
+
+MAX_ROUNDS_AT_ONCE = 10
+"""Rounds one tick runs for one job back to back, at most (a bound, never reached by
+a protocol that makes progress)."""
+
+
+def decides_again_at_once(actions: Sequence[Action], previous: Sequence[Action] = ()) -> bool:
+    """Whether a round that applied ``actions`` (after one that applied ``previous``) is
+    followed at once by another round for the same job: it recorded something the next
+    decision reads, and it did not repeat the round before (a round deciding the same
+    thing twice is waiting on the world, not on its own record)."""
+    if list(actions) == list(previous):
+        return False
+    return any(isinstance(a, FOLLOWED_AT_ONCE) for a in actions)
 
 
 # --- detect --------------------------------------------------------------------------------

@@ -156,30 +156,45 @@ class Reconciler:
         self.epoch = epoch
         return epoch is not None
 
-    def tick(self) -> bool:
-        """One round over every job; True when some job's round applied an action."""
+    def tick(self, now: datetime | None = None) -> bool:
+        """One pass over every job (each job's rounds back to back while they only
+        record, ``reconcile_rounds``); True when some job's round applied an action."""
         with db.read_session(self.sessionmaker) as s:
             ids = work.jobs_to_reconcile(s)
-            self.intake.sample(s, repo.utcnow())
+            self.intake.sample(s, now or repo.utcnow())
         self.progress.keep(ids)
         busy = False
         for job_id in ids:
             if self.epoch is None:  # lost the lease during this tick: the new leader goes on
                 return busy
             try:
-                busy = bool(self.reconcile(job_id)) or busy
+                busy = bool(self.reconcile_rounds(job_id, now)) or busy
             except Exception:
                 log.exception("job %s: reconcile failed", job_id)
-        now = repo.utcnow()
+        at = now or repo.utcnow()
         if self._last_teardowns is None or (
-            (now - self._last_teardowns).total_seconds() >= self.teardown_poll_s
+            (at - self._last_teardowns).total_seconds() >= self.teardown_poll_s
         ):
-            self._last_teardowns = now
+            self._last_teardowns = at
             try:
-                self.finish_teardowns(now)
+                self.finish_teardowns(at)
             except Exception:
                 log.exception("confirming teardowns failed")
         return busy
+
+    def reconcile_rounds(self, job_id: str, now: datetime | None = None) -> list[rc.Action]:
+        """The job's rounds back to back while the core says the next one follows at
+        once (``rc.decides_again_at_once``: the round only recorded what the next reads),
+        at most ``rc.MAX_ROUNDS_AT_ONCE``; returns every action applied, in order."""
+        applied: list[rc.Action] = []
+        previous: list[rc.Action] = []
+        for _ in range(rc.MAX_ROUNDS_AT_ONCE):
+            actions = self.reconcile(job_id, now)
+            applied += actions
+            if not rc.decides_again_at_once(actions, previous):
+                break
+            previous = actions
+        return applied
 
     def reconcile(self, job_id: str, now: datetime | None = None) -> list[rc.Action]:
         """One gather -> decide -> apply round for one job, fenced by the lease; returns

@@ -551,3 +551,14 @@ def test_a_node_that_exits_before_registering_is_lost_at_once():
     (out,) = rc.decide(snap(status=S.PROVISIONING, attempt=a))
     assert out.kind == "node_lost" and out.node_id == "j-a1-n1"
     assert "before it registered" in out.message
+
+
+def test_rounds_follow_at_once_only_after_one_that_recorded_something_new():
+    start = rc.StartStep(1, P.CONFIRM_CHECKPOINT)
+    done = rc.FinishStep(1, P.CONFIRM_CHECKPOINT, O.OK, "saved")
+    told = rc.SendCommand(1, CommandType.CHECKPOINT_AND_STOP, {})
+    assert rc.decides_again_at_once([done, start])
+    assert rc.decides_again_at_once([start, told])
+    assert not rc.decides_again_at_once([told])  # waits on the ranks, not on the record
+    assert not rc.decides_again_at_once([])
+    assert not rc.decides_again_at_once([start], previous=[start])  # the same round again

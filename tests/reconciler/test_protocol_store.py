@@ -20,6 +20,7 @@ from orchestrator.contract import (
     ManifestFile,
     commit_marker,
 )
+from orchestrator.domain import reconcile as rc
 from orchestrator.domain.protocol import ProtocolStep
 from orchestrator.domain.reconcile import LauncherAbilities
 from orchestrator.domain.spec import validate_job_spec
@@ -540,3 +541,30 @@ def test_a_straggler_reported_by_rank_0_is_blamed_on_the_slow_rank_s_node(world)
     w.tick()
     (cmd,) = w.commands()
     assert cmd.type == "checkpoint_and_stop"  # every node is alive: save first
+
+
+def test_one_tick_carries_a_recovery_through_every_step_that_only_records(world):
+    w = world
+    start_running(w)
+    w.agents_up(1, resumed=0, step=40)
+    w.report(1, 1, {"key": "n1", "kind": "preemption_notice", "provider": "aws"})
+    assert w.rec.acquire_lease(w.now)
+    w.now += timedelta(seconds=1)
+    w.rec.tick(w.now)  # the incident opened, detect done, and the ranks told to save
+    assert w.status() == "RECOVERING"
+    assert [c.type for c in w.commands()] == ["checkpoint_and_stop"]
+    write_checkpoint(w.ckpt, 30)
+    write_checkpoint(w.ckpt, 40)
+    for k in range(2):
+        w.report(1, k, {"key": "x", "kind": "node_exit", "exit_code": 75, "reason": "saved"})
+    w.now += timedelta(seconds=1)
+    applied = w.rec.reconcile_rounds(w.job, w.now)
+    # Confirm, release, select and the new attempt's record: one tick, not one each.
+    assert [r.attempt for r in w.launcher.launched] == [1, 2]
+    assert w.launcher.downed == [f"{w.job}-a1"]
+    assert sum(isinstance(a, rc.FinishStep) for a in applied) >= 3
+    # With nothing new, the next tick is one round that applies nothing.
+    w.now += timedelta(seconds=1)
+    w.rec.reconcile_rounds(w.job, w.now)
+    assert w.rec.reconcile_rounds(w.job, w.now) == []
+

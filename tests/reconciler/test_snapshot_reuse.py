@@ -95,10 +95,10 @@ def test_the_reconciler_forgets_the_views_of_a_job_once_it_is_over(world):
     w = world
     start_running(w)
     assert w.rec.acquire_lease()
-    w.rec.tick()
+    w.rec.tick(w.now)
     assert w.rec.progress.of(w.job)  # a running job's nodes are kept
     with w.sm.begin() as s:  # over, and its nodes given back: no longer reconciled
         s.execute(update(Job).where(Job.id == w.job).values(status="CANCELLED"))
         s.execute(update(Attempt).where(Attempt.job_id == w.job).values(state="ended"))
-    w.rec.tick()
+    w.rec.tick(w.now)
     assert w.rec.progress.of(w.job) == {}
