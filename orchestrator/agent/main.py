@@ -89,6 +89,9 @@ REGROUP_WAIT_S = 180
 #: How long the long-poll for commands waits per request. Short enough that a service
 #: shutting down gracefully (which waits for in-flight requests) is not held long.
 COMMAND_WAIT_S = 10.0
+#: A heartbeat asked for early (``Agent.beat_soon``) goes this long after the ask: the
+#: other ranks' datagrams of the same regroup or resume come within it.
+EARLY_BEAT_GAP_S = 0.1
 #: How long the agent tries to deliver its last reports before it exits anyway.
 FINAL_FLUSH_S = 30.0
 #: Rank watcher period.
@@ -727,6 +730,8 @@ class Agent:
         self._torchrun_sigtermed = False
         self._exit = threading.Event()
         self._registered = threading.Event()
+        self._beat_soon = threading.Event()
+        """Set: heartbeat at once (``beat_soon``)."""
         self._signal_received: int | None = None
         self.cursor = 0
         self.acked: int | None = None
@@ -839,6 +844,12 @@ class Agent:
 
     def _on_datagram(self, doc: dict[str, Any]) -> None:
         kind = doc.get("type")
+        if kind in ("regroup", "resumed"):
+            # What the service waits on in an elastic shrink (every survivor left the
+            # old group; every rank resumed in the new one): heard now, not up to a
+            # heartbeat period later.
+            self.beat_soon()
+            return
         if kind == "checkpoint" and doc.get("rank") == 0 and isinstance(doc.get("step"), int):
             self.report(
                 ReportKind.CHECKPOINT,
@@ -970,7 +981,9 @@ class Agent:
         unreachable_since: float | None = None
         while not self._exit.is_set():
             wait = told_interval({"interval_s": self.period_s}, self.cfg.heartbeat_s)
+            cuttable = True
             asked = self.cfg.attempt
+            self._beat_soon.clear()  # this beat carries whatever asked for one so far
             try:
                 if not self._registered.is_set():
                     self._register()
@@ -1002,14 +1015,28 @@ class Agent:
                 self.on_superseded(str(e))
                 return
             except Busy as e:  # back-pressure: the service is up, and asked for fewer
-                wait = busy_wait(e.retry_after_s)
+                wait, cuttable = busy_wait(e.retry_after_s), False
                 log.info("service busy (%s); next heartbeat in %.1f s", e, wait)
             except Unreachable as e:
                 if unreachable_since is None:
                     unreachable_since = time.monotonic()
                     log.warning("service unreachable (%s); training goes on, retrying", e)
-                wait = next(delays)
-            self._exit.wait(wait)
+                wait, cuttable = next(delays), False
+            if cuttable:
+                self._pause(wait)
+            else:  # what the service asked for (busy) or a retry's backoff: waited out
+                self._exit.wait(wait)
+
+    def beat_soon(self) -> None:
+        """Heartbeat (or register) now rather than at the end of the period: a rank
+        regrouped or resumed, or the agent was carried into a new attempt."""
+        self._beat_soon.set()
+
+    def _pause(self, wait: float) -> None:
+        """The heartbeat period, cut short by ``beat_soon`` (then ``EARLY_BEAT_GAP_S``
+        more, so every rank's datagram of one regroup goes in one beat) or by exit."""
+        if self._beat_soon.wait(wait) and not self._exit.is_set():
+            self._exit.wait(EARLY_BEAT_GAP_S)
 
     # --- commands --------------------------------------------------------------------
 
@@ -1149,6 +1176,7 @@ class Agent:
             self._held_logged = False
             self.client.move_to(attempt, token)
             self._registered.clear()  # the heartbeat thread registers in the new attempt
+            self.beat_soon()  # ... now, not at the end of its period
         log.info(
             "carried into attempt %d as node rank %d of %d (%s)",
             attempt, m.node_rank, m.nnodes, m.init_method,
@@ -1680,6 +1708,7 @@ class Agent:
                 with contextlib.suppress(Unreachable, Superseded):
                     self.client.heartbeat(self._heartbeat_body())
         self._exit.set()
+        self._beat_soon.set()  # a heartbeat pause ends too
         self.outbox.q.put(None)
         self.listener.stop()
 

@@ -49,10 +49,15 @@ def _int(x: Any) -> int | None:
     return x if isinstance(x, int) and not isinstance(x, bool) else None
 
 
+EVENT_TYPES = ("checkpoint", "anomaly", "exit", "regroup", "resumed")
+"""Datagrams passed on to ``ProgressBoard.on_event`` as they come (progress is not)."""
+
+
 @dataclass
 class ProgressBoard:
-    """Per-rank state from datagrams. ``on_event`` gets checkpoint/anomaly/exit docs
-    (from the listener thread) so the agent can turn them into reports."""
+    """Per-rank state from datagrams. ``on_event`` gets the docs of ``EVENT_TYPES``
+    (from the listener thread): checkpoint/anomaly/exit become reports, and a rank
+    leaving a group or resuming in one has the agent heartbeat at once."""
 
     on_event: Callable[[dict[str, Any]], None] = lambda doc: None
     clock: Callable[[], float] = time.monotonic
@@ -100,7 +105,7 @@ class ProgressBoard:
                 p.checkpoint = doc
             elif kind == "exit":
                 p.exit = doc
-        if kind in ("checkpoint", "anomaly", "exit"):
+        if kind in EVENT_TYPES:
             self.on_event(doc)
         return doc
 

@@ -276,7 +276,10 @@ def test_progress_board_aggregates_and_drops_garbage():
     assert (p.step, p.loss, p.step_time) == (9, None, 0.1)
     assert p.resumed == {"step": 5, "manifest_digest": "d"}
     assert board.last_checkpoint() == {"step": 20, "path": "/b", "uploaded_uri": None}
-    assert [e["step"] for e in events] == [10, 20]
+    # Checkpoints become reports and a resume a heartbeat at once; progress is neither.
+    assert [(e["type"], e["step"]) for e in events] == [
+        ("resumed", 5), ("checkpoint", 10), ("checkpoint", 20)
+    ]
 
 
 def test_datagrams_from_the_training_librarys_reporter_reach_the_listener():

@@ -150,3 +150,55 @@ def test_a_plain_503_is_still_an_outage(scripted):
     with pytest.raises(cl.Unreachable) as e:
         c.heartbeat({})
     assert not isinstance(e.value, cl.Busy)
+
+
+def _beating_slowly(url: str, tmp_path) -> Agent:  # type: ignore[no-untyped-def]
+    cfg = AgentConfig(
+        job_id="j", attempt=1, node_id="n0", node_rank=0, nnodes=2, nproc_per_node=2,
+        command=("true",), service_url=url, local_dir=tmp_path / "n0",
+        log_dir=tmp_path / "n0", heartbeat_s=5.0,
+    )  # fmt: skip
+    agent = Agent(cfg, token="t", environ={})
+    agent._registered.set()
+    threading.Thread(target=agent._heartbeat_loop, name="hb-slow", daemon=True).start()
+    return agent
+
+
+def test_a_rank_that_regroups_or_resumes_is_heard_at_once_not_a_period_later(
+    scripted, tmp_path
+):
+    url, scripts = scripted
+    scripts.append(_Script([]))
+    agent = _beating_slowly(url, tmp_path)
+    try:
+        _wait_for(scripts[0], 1)
+        for kind in ("regroup", "resumed"):
+            beats = len(scripts[0].arrivals)
+            asked = time.monotonic()
+            for rank in (0, 1):  # both ranks of the node, a moment apart: one beat
+                doc = {"type": kind, "rank": rank, "generation": 2, "step": 30}
+                agent.board.ingest(json.dumps(doc).encode())
+            _wait_for(scripts[0], beats + 1, timeout=2.0)
+            assert scripts[0].arrivals[-1] - asked < 1.0  # the period is 5 s
+            time.sleep(0.5)
+            assert len(scripts[0].arrivals) == beats + 1
+    finally:
+        agent._exit.set()
+        agent._beat_soon.set()
+
+
+def test_a_busy_services_wait_is_not_cut_short_by_a_regroup(scripted, tmp_path):
+    url, scripts = scripted
+    busy = (503, {"Retry-After": "2"}, {"detail": "behind"})
+    scripts.append(_Script([busy]))
+    agent = _beating_slowly(url, tmp_path)
+    try:
+        _wait_for(scripts[0], 1)
+        agent.board.ingest(json.dumps({"type": "regroup", "rank": 0, "generation": 2}).encode())
+        time.sleep(1.0)
+        assert len(scripts[0].arrivals) == 1  # the service asked for 2 s at least
+        _wait_for(scripts[0], 2, timeout=5.0)
+        assert scripts[0].arrivals[1] - scripts[0].arrivals[0] >= 1.95
+    finally:
+        agent._exit.set()
+        agent._beat_soon.set()
