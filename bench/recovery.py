@@ -520,6 +520,10 @@ def main_elastic(provision_s: float) -> None:
                 if i["mttr_s"]
             )
             print(f"{name}: first step {_first_step_s(run)} s after the kill; {incs}", flush=True)
+            for i in run["incidents"]:
+                for x in i["steps"]:  # where each incident's time went, and why
+                    print(f"  {i['failure_class']} {x['step']}: {x['seconds']} s; "
+                          f"{(x.get('detail') or '')[:160]}", flush=True)
         (Path(d) / "torchrun").mkdir()
         base = baseline_mttr(Path(d) / "torchrun")
         print(f"torchrun --max-restarts, node killed: {base}", flush=True)
@@ -547,6 +551,11 @@ def main_elastic(provision_s: float) -> None:
                 "steps_gained": e_step - w_step
                 if e_step is not None and w_step is not None
                 else None,
+                "elastic_incident_steps_s": [
+                    {"class": i["failure_class"],
+                     **{x["step"]: round(x["seconds"] or 0, 2) for x in i["steps"]}}
+                    for i in e["incidents"]
+                ],
                 "grew_back": bool(grows),
                 "grow_mttr_s": round(grows[0]["mttr_s"], 2)
                 if grows and grows[0]["mttr_s"]
