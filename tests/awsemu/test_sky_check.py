@@ -220,7 +220,7 @@ def sky_home(moto_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         skyconf.stop_api_server(home)
 
 
-@pytest.mark.slow
+@pytest.mark.long  # 41 s; in CI's emulator step, whose modules start API servers
 def test_an_api_port_taken_before_the_server_binds_it_is_swapped_for_a_free_one(
     tmp_path: Path,
 ) -> None:

@@ -38,6 +38,7 @@ from training import ResumableSampler, RunExit
 from training.checkpoint import CheckpointError, find_latest_complete
 from training.control import ControlFile
 from training.regroup import (
+    PEER_TIMEOUT_PATTERNS,
     Group,
     LeaveForMembership,
     MembershipTimeout,
@@ -413,8 +414,17 @@ def test_survivors_of_a_killed_rank_regroup_warm_on_two_and_grow_back_to_three(
         )
         assert all(p.poll() is None for n, p in ranks.procs.items() if n != 2)
         lost = ranks.datagrams("regroup", generation=1)
-        assert {d["reason"] for d in lost} == {str(RegroupReason.PEER_LOST)}
-        assert all(_peer_gone(d["error"]) for d in lost), lost
+        # A survivor reading the dead peer's socket sees it closed; one whose operation
+        # was on the other survivor's pair may see gloo close that pair after a
+        # timeout instead (seen in CI, on a loaded machine). Both are a peer's loss.
+        by_reason = {
+            str(RegroupReason.PEER_LOST): _peer_gone,
+            str(RegroupReason.PEER_TIMEOUT): lambda text: any(
+                p.search(text) for p in PEER_TIMEOUT_PATTERNS
+            ),
+        }
+        assert all(by_reason[d["reason"]](d["error"]) for d in lost), lost
+        assert any(d["reason"] == str(RegroupReason.PEER_LOST) for d in lost), lost
         assert {d["pid"] for d in lost} == {pids[0], pids[1]}
 
         # The agent: the group without node 2, from the last confirmed checkpoint.
