@@ -89,3 +89,23 @@ def client(app):  # type: ignore[no-untyped-def]
     with TestClient(app) as c:
         c.headers["Authorization"] = f"Bearer {app.state.token}"
         yield c
+
+
+#: The multi-node jobs of tests/e2e: each runs a service, netns nodes and torchrun ranks,
+#: with heartbeat timeouts and waits sized for a machine where that job is the only
+#: one. Under ``pytest -n`` (scripts/test runs two workers) they share one xdist group,
+#: so one of them runs at a time while the other workers take the rest of the suite;
+#: the group goes first, as the longest unit of work (half of the serial run's time).
+ONE_AT_A_TIME = "multi-node-e2e"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    e2e_dir = Path(__file__).parent / "e2e"
+    grouped = [i for i in items if i.get_closest_marker("e2e") and e2e_dir in i.path.parents]
+    for item in grouped:
+        item.add_marker(pytest.mark.xdist_group(ONE_AT_A_TIME))
+    first = set(grouped)
+    items[:] = grouped + [i for i in items if i not in first]

@@ -44,7 +44,16 @@ class TextConsole(Console):
     """A console that shows every string as text: no Rich markup (an event message
     holding ``[/path]`` crashed ``skyresume events``), no emoji codes, and control
     characters made :func:`visible`. Table cells and titles are strings rendered
-    here too, so no command can forget it."""
+    here too, so no command can forget it.
+
+    Its width follows ``COLUMNS`` (or the terminal) at each print: Rich reads
+    ``COLUMNS`` once, when a console is made, and these two are made at import, so a
+    process that imported the CLI under one ``COLUMNS`` would keep that width."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        if kw.get("width") is None:
+            self._width = None  # Console.size reads COLUMNS and the terminal each time
 
     def render_str(self, text: str, **kw: Any) -> Any:
         kw.update(markup=False, emoji=False)

@@ -37,3 +37,15 @@ def test_events_print_stored_markup_and_escapes_as_visible_text(app, settings, t
     assert "[/ckpt/step-9]" in out and "[bold]x" in out  # brackets shown, not parsed
     assert "\\x1b[2J" in out and "\\x1b]0;owned\\x07" in out and "\\u202edone" in out
     assert not any(c in out for c in "\x1b\x07\u202e")  # nothing raw reached the terminal
+
+
+def test_the_cli_console_takes_the_width_of_the_moment_not_of_its_import(monkeypatch):
+    # Rich fixes a console's width from COLUMNS when the console is made; the CLI's are
+    # made at import (pytest-xdist's workers import it under COLUMNS=80).
+    from orchestrator.commands.common import TextConsole
+
+    monkeypatch.setenv("COLUMNS", "80")
+    made = TextConsole()
+    monkeypatch.setenv("COLUMNS", "200")
+    assert made.width == 200
+    assert TextConsole(width=100).width == 100  # an explicit width stays
