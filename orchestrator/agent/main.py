@@ -844,9 +844,10 @@ class Agent:
 
     def _on_datagram(self, doc: dict[str, Any]) -> None:
         kind = doc.get("type")
-        if kind in ("regroup", "resumed"):
+        if kind in ("regroup", "resumed", "progress"):
             # What the service waits on in an elastic shrink (every survivor left the
-            # old group; every rank resumed in the new one): heard now, not up to a
+            # old group; every rank resumed in the new one), and a resumed rank's first
+            # step (the board passes on no other progress): heard now, not up to a
             # heartbeat period later.
             self.beat_soon()
             return

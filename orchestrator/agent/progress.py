@@ -36,6 +36,9 @@ class RankProgress:
     regrouping: int | None = None
     """Elastic warm regroup: the generation the rank left (its ``regroup`` datagram)
     while it waits for a newer membership; None once it resumed (or never left)."""
+    first_step_due: bool = False
+    """Resumed, and no step past the resume step reported yet: the first one is passed
+    on as an event (the service hears a recovery train again at once)."""
 
 
 def finite(x: Any) -> float | None:
@@ -50,7 +53,8 @@ def _int(x: Any) -> int | None:
 
 
 EVENT_TYPES = ("checkpoint", "anomaly", "exit", "regroup", "resumed")
-"""Datagrams passed on to ``ProgressBoard.on_event`` as they come (progress is not)."""
+"""Datagrams passed on to ``ProgressBoard.on_event`` as they come; of progress, only a
+rank's first step past a resume."""
 
 
 @dataclass
@@ -84,8 +88,13 @@ class ProgressBoard:
         with self._lock:
             p = self.ranks.setdefault(rank, RankProgress())
             p.last_seen = self.clock()
+            first_step = False
             if kind == "progress":
                 p.step = _int(doc.get("step"))
+                since = (p.resumed or {}).get("step")
+                if p.first_step_due and p.step is not None and since is not None:
+                    first_step = p.step > since
+                    p.first_step_due = not first_step
                 p.step_time = finite(doc.get("step_time"))
                 p.loss = finite(doc.get("loss"))
                 p.grad_norm = finite(doc.get("grad_norm"))
@@ -101,11 +110,12 @@ class ProgressBoard:
                 }
                 if p.step is None:
                     p.step = _int(doc.get("step"))
+                p.first_step_due = True
             elif kind == "checkpoint":
                 p.checkpoint = doc
             elif kind == "exit":
                 p.exit = doc
-        if kind in EVENT_TYPES:
+        if kind in EVENT_TYPES or first_step:
             self.on_event(doc)
         return doc
 

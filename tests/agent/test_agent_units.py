@@ -282,6 +282,24 @@ def test_progress_board_aggregates_and_drops_garbage():
     ]
 
 
+def test_a_resumed_ranks_first_step_past_the_resume_is_passed_on_once():
+    events = []
+    board = ProgressBoard(on_event=events.append)
+    step = lambda n: board.ingest(json.dumps({"type": "progress", "rank": 0, "step": n}).encode())  # noqa: E731
+    step(59)  # before any resume: progress is not an event
+    board.ingest(json.dumps({"type": "resumed", "rank": 0, "step": 60}).encode())
+    step(60)  # the resume step itself is no new step
+    step(61)
+    step(62)
+    assert [(e["type"], e["step"]) for e in events] == [("resumed", 60), ("progress", 61)]
+    board.ingest(json.dumps({"type": "regroup", "rank": 0, "generation": 2}).encode())
+    board.ingest(json.dumps({"type": "resumed", "rank": 0, "step": 62}).encode())
+    step(63)  # a later resume's first step is news again
+    assert [(e["type"], e.get("step")) for e in events][-2:] == [
+        ("resumed", 62), ("progress", 63)
+    ]
+
+
 def test_datagrams_from_the_training_librarys_reporter_reach_the_listener():
     from training.progress import ProgressReporter
 

@@ -164,7 +164,7 @@ def _beating_slowly(url: str, tmp_path) -> Agent:  # type: ignore[no-untyped-def
     return agent
 
 
-def test_a_rank_that_regroups_or_resumes_is_heard_at_once_not_a_period_later(
+def test_a_rank_that_regroups_resumes_or_steps_past_its_resume_is_heard_at_once(
     scripted, tmp_path
 ):
     url, scripts = scripted
@@ -172,11 +172,11 @@ def test_a_rank_that_regroups_or_resumes_is_heard_at_once_not_a_period_later(
     agent = _beating_slowly(url, tmp_path)
     try:
         _wait_for(scripts[0], 1)
-        for kind in ("regroup", "resumed"):
+        for kind, step in (("regroup", 30), ("resumed", 30), ("progress", 31)):
             beats = len(scripts[0].arrivals)
             asked = time.monotonic()
             for rank in (0, 1):  # both ranks of the node, a moment apart: one beat
-                doc = {"type": kind, "rank": rank, "generation": 2, "step": 30}
+                doc = {"type": kind, "rank": rank, "generation": 2, "step": step}
                 agent.board.ingest(json.dumps(doc).encode())
             _wait_for(scripts[0], beats + 1, timeout=2.0)
             assert scripts[0].arrivals[-1] - asked < 1.0  # the period is 5 s
