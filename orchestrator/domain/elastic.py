@@ -22,6 +22,13 @@ replacement would be up shrinks whatever the grow would cost: it never grows.
 
 Below ``min_nodes`` there is nothing to decide: the job waits, as a job without
 ``min_nodes`` always does.
+
+A job that trains on fewer nodes than ``num_nodes`` with no replacement coming (its
+standby launch was refused or given back, or it was first placed on fewer nodes)
+asks again (:func:`choose_ask_again`): after ``spare_retry_s``, doubling with each
+try up to ``spare_retry_cap_s`` (capacity that was short a minute ago is often back
+within minutes, and a provider that keeps refusing is not asked every tick), unless
+the work left ends on the nodes it has before a replacement would be up.
 """
 
 from __future__ import annotations
@@ -44,6 +51,11 @@ class ElasticConfig:
     margin: float = 1.5
     """The shrunk phase must gain this many times what the grow costs: a guess that
     is wrong by half still gains."""
+    spare_retry_s: float = 60.0
+    """The wait before a job short of nodes asks for its replacements again, from the
+    refusal, the release, or (placed on fewer) the attempt's validation."""
+    spare_retry_cap_s: float = 900.0
+    """The longest of those waits: they double with each try up to this."""
 
 
 @dataclass(frozen=True)
@@ -122,3 +134,59 @@ def choose_shrink(
     if gain > cfg.margin * r:
         return ShrinkChoice(True, survivors, f"shrink: {figures}", p)
     return ShrinkChoice(False, n, f"wait: {figures} (gain under {cfg.margin:g}x the grow)", p)
+
+
+@dataclass(frozen=True)
+class AskAgain:
+    ask: bool
+    reason: str
+    """One line: why, or why not yet (the figures weighed)."""
+    wait_s: float
+    """The wait this try needed (``spare_retry_s`` doubled per try, capped)."""
+
+
+def spare_wait_s(tries: int, cfg: ElasticConfig) -> float:
+    """The wait before try ``tries + 1`` of a job's replacements: ``spare_retry_s``
+    after the first (or none yet), doubling with each one after, up to the cap."""
+    return min(cfg.spare_retry_cap_s, cfg.spare_retry_s * 2.0 ** max(0, tries - 1))
+
+
+def choose_ask_again(
+    spec: JobSpec,
+    training: int,
+    *,
+    tries: int,
+    waited_s: float,
+    provision_s: Sequence[float] = (),
+    steps_left: int | None = None,
+    step_time_s: float | None = None,
+    cfg: ElasticConfig | None = None,
+) -> AskAgain:
+    """Whether a job training on ``training`` nodes, with no replacement coming, asks
+    for ``num_nodes - training`` again now: ``tries`` asks were made since its group
+    formed (the shrink's own standby is the first), the last ended ``waited_s`` ago
+    (see the module's docstring)."""
+    cfg = cfg or ElasticConfig()
+    missing = spec.num_nodes - training
+    wait = spare_wait_s(tries, cfg)
+    if missing <= 0 or not spec.elastic_nodes:
+        return AskAgain(False, f"{training} of {spec.num_nodes} nodes: nothing to ask for", wait)
+    p, source = expected_provision_s(provision_s, spec, cfg)
+    if steps_left is not None and step_time_s:
+        ends = steps_left * step_time_s
+        if ends < p:
+            return AskAgain(
+                False,
+                f"the {steps_left} steps left end on {training} nodes in {ends:.0f} s, before "
+                f"a replacement would be up ({p:.0f} s, {source}): running on at {training}",
+                wait,
+            )
+    what = f"{missing} replacement{'s' if missing > 1 else ''}"
+    if waited_s < wait:
+        return AskAgain(False, f"asking again for {what} in {wait - waited_s:.0f} s", wait)
+    return AskAgain(
+        True,
+        f"asking again for {what} (try {tries + 1}, {waited_s:.0f} s after the last; "
+        f"expected up in {p:.0f} s, {source})",
+        wait,
+    )

@@ -319,6 +319,16 @@ class SpareView:
     the spare, never the training group's attempt."""
     node_ids: frozenset[str] = frozenset()
     """Every spare's node id: the standby launch's and any registered past the group."""
+    tries: int = 0
+    """Standby launches asked for since the group formed, this one's included (0: an
+    attempt placed on fewer nodes that asked for none yet)."""
+    asked_at: datetime | None = None
+    """When this standby launch was requested (None: with the attempt's own launch)."""
+    released_at: datetime | None = None
+    """When it was given back or refused (None: it was not)."""
+    past_ids: frozenset[str] = frozenset()
+    """Earlier tries' node ids (given back): their failures end neither the group nor
+    this try."""
 
 
 @dataclass(frozen=True)
@@ -656,11 +666,13 @@ class RecordFailure:
 @dataclass(frozen=True)
 class RecordNote:
     """A fact about the job the reconciler noticed that is no failure (recorded once
-    per kind and attempt): e.g. its ranks send no progress reports."""
+    per kind, attempt and ``key``): e.g. its ranks send no progress reports."""
 
     kind: EventKind
     attempt: int
     message: str
+    key: str = ""
+    """Tells apart notes of one kind in one attempt (a spare's tries)."""
 
 
 @dataclass(frozen=True)
@@ -735,6 +747,22 @@ class ReleaseSpare:
     reason: str
 
 
+@dataclass(frozen=True)
+class LaunchSpare:
+    """Ask again for the replacements of an attempt that trains on fewer nodes than
+    the spec's (its standby was refused or given back, or it was placed on fewer):
+    ``count`` nodes launch beside the group as standby, node ranks from
+    ``node_rank_base``, and the group grows onto them once they registered."""
+
+    attempt: int
+    count: int
+    node_rank_base: int
+    """Past every earlier try's: a new try's nodes never take a given-back one's id."""
+    tries: int
+    """The standby launches the attempt will have asked for, this one included."""
+    reason: str
+
+
 Action = (
     SetStatus
     | HoldWarm
@@ -752,6 +780,7 @@ Action = (
     | Release
     | MarkValidated
     | ReleaseSpare
+    | LaunchSpare
 )
 
 FOLLOWED_AT_ONCE: tuple[type, ...] = (
@@ -1142,9 +1171,11 @@ def decide(s: JobSnapshot, cfg: ReconcileConfig | None = None) -> list[Action]:
             if s.status is JobStatus.PROVISIONING:
                 plain.append(SetStatus(JobStatus.RUNNING, start.status))
             return plain
-    if a.spare is not None and a.validated_step is not None:
+    if a.validated_step is None:
+        return []
+    if a.spare is not None:
         return _spare(s, a, a.spare, cfg)
-    return []
+    return _ask_again(s, a, None, cfg)
 
 
 # --- elastic: the shrunk group's spare --------------------------------------------------
@@ -1154,14 +1185,15 @@ def _spare(s: JobSnapshot, a: AttemptView, sp: SpareView, cfg: ReconcileConfig) 
     """A shrunk attempt that trains: grow back once every replacement registered, or
     give them up (and run on shrunk) when they failed or never came."""
     if sp.released:
-        return []
+        return _ask_again(s, a, sp, cfg)
     lost = _spare_lost(s, a, sp, cfg)
     if lost is not None:
         text = (
             f"replacement lost: {lost}; training goes on at {a.num_nodes} of "
             f"{a.full_nodes or a.num_nodes} nodes (min_nodes {s.spec.effective_min_nodes})"
         )
-        return [RecordNote(EventKind.ELASTIC, a.number, text), ReleaseSpare(a.number, lost)]
+        key = f"t{sp.tries}" if sp.tries > 1 else ""
+        return [RecordNote(EventKind.ELASTIC, a.number, text, key), ReleaseSpare(a.number, lost)]
     if len(sp.nodes) >= sp.count:
         ids = ", ".join(n.node_id for n in sp.nodes)
         return [
@@ -1176,6 +1208,47 @@ def _spare(s: JobSnapshot, a: AttemptView, sp: SpareView, cfg: ReconcileConfig) 
     return []
 
 
+def _ask_again(
+    s: JobSnapshot, a: AttemptView, sp: SpareView | None, cfg: ReconcileConfig
+) -> list[Action]:
+    """An attempt that trains on fewer nodes than the spec's, with no replacement
+    coming (``sp`` given back or refused, or None: placed on fewer and none asked
+    for): ask for them again when ``domain.elastic`` says it is time."""
+    training = a.num_nodes
+    if training >= s.spec.num_nodes or not s.spec.elastic_nodes or a.placement is None:
+        return []
+    if a.state != AttemptState.RUNNING:
+        return []
+    if not s.abilities.keeps_survivors or s.abilities.refills_clusters:
+        why = (
+            f"training on {training} of {s.spec.num_nodes} nodes: this launcher cannot "
+            "launch nodes beside a running group, so the job runs on at this size"
+        )
+        return [RecordNote(EventKind.ELASTIC, a.number, why, "run-on")]
+    tries = sp.tries if sp is not None else 0
+    since = sp.released_at if sp is not None else None
+    waited = _age(s.now, since or a.up_at or a.started_at)
+    times = [r.step_time for n in a.nodes for r in n.ranks if r.step_time is not None]
+    ends = [r.max_steps for n in a.nodes for r in n.ranks if r.max_steps is not None]
+    last = a.last_step()
+    choice = el.choose_ask_again(
+        s.spec,
+        training,
+        tries=tries,
+        waited_s=waited,
+        provision_s=s.provision_s,
+        steps_left=max(0, max(ends) - last) if ends and last is not None else None,
+        step_time_s=max(times) if times else None,
+        cfg=cfg.elastic,
+    )
+    if not choice.ask:
+        if waited >= choice.wait_s:  # not for a wait: the job ends first (said once)
+            return [RecordNote(EventKind.ELASTIC, a.number, choice.reason, "run-on")]
+        return []
+    count = s.spec.num_nodes - training
+    return [LaunchSpare(a.number, count, training + tries * count, tries + 1, choice.reason)]
+
+
 def _spare_lost(s: JobSnapshot, a: AttemptView, sp: SpareView, cfg: ReconcileConfig) -> str | None:
     """Why the spare is given up, or None while it may still come."""
     if sp.failures:
@@ -1183,7 +1256,7 @@ def _spare_lost(s: JobSnapshot, a: AttemptView, sp: SpareView, cfg: ReconcileCon
         return f"{f.node_id or 'a spare'}: {f.failure_class}: {f.message}"[:500]
     if sp.progress is not None and sp.progress.phase is LaunchPhase.FAILED:
         return f"its launch failed: {sp.progress.detail or 'the provider failed it'}"
-    waited = _age(s.now, a.requested_at)
+    waited = _age(s.now, sp.asked_at or a.requested_at)
     limit = s.spec.restarts.provision_timeout_s
     if not sp.up and len(sp.nodes) < sp.count and waited > limit:
         return f"not provisioned after {waited:.0f} s (provision_timeout_s {limit:.0f})"

@@ -361,7 +361,9 @@ class Reconciler:
             case rc.MarkValidated(attempt=number, step=step):
                 work.mark_validated(s, job_id, number, step, now)
             case rc.ReleaseSpare(attempt=number, reason=reason):
-                self._release_spare(s, job_id, number, reason)
+                self._release_spare(s, job_id, number, reason, now)
+            case rc.LaunchSpare():
+                self._launch_spare(s, rows, action, now)
 
     def _set_status(
         self, s: Session, job_id: str, st: JobStatus, reason: str, now: datetime
@@ -391,7 +393,9 @@ class Reconciler:
                 if ids:
                     self._down(job_id, replace(part, node_ids=tuple(ids), hosts=tuple(hosts)))
 
-    def _release_spare(self, s: Session, job_id: str, number: int, reason: str) -> None:
+    def _release_spare(
+        self, s: Session, job_id: str, number: int, reason: str, now: datetime
+    ) -> None:
         """Give back a shrunk attempt's standby launch; the attempt trains on."""
         a = attempt_row(s, job_id, number)
         if a is None:
@@ -400,7 +404,7 @@ class Reconciler:
         for part in parts_of(a):
             if part.cluster_name == spare:
                 self._down(job_id, part)
-        work.spare_released(a, reason)
+        work.spare_released(a, reason, now)
 
     def _give_back(self, s: Session, job_id: str, number: int, reason: str) -> None:
         """Tear down every launch of the attempt (kept nodes included: whoever asks
@@ -491,10 +495,45 @@ class Reconciler:
         and the next one to ask for the same key is answered with the same request
         (adopted, never launched twice); after a failed request the key moves on, so
         a re-plan is a new request and not the failed one again."""
-        job, spec = rows.job, rows.spec
-        a = attempt_row(s, job.id, number)
+        a = attempt_row(s, rows.job.id, number)
         if a is None or a.handle:
             return
+        plan = records.launch_plan_of(a)
+        request = self._request(rows, a, launch_try)
+        previous = attempt_row(s, rows.job.id, number - 1)
+        before = parts_of(previous) if previous is not None else []
+        shrink: _Shrink | None = None
+        try:
+            if verb is rc.LaunchVerb.SHRINK:
+                shrink = self._shrink(s, request, previous, plan)
+                parts = [*shrink.group, *([shrink.spare] if shrink.spare else [])]
+            else:
+                parts = self._ask(verb, request, previous, before, plan, s)
+        except SubmitUncertain as e:
+            # The provider may hold the request: the next tick asks for the same key
+            # (adopting what was accepted), never a new one, and no failure is counted.
+            log.warning("job %s: attempt %s: %s; asking again", rows.job.id, number, e)
+            return
+        except LaunchError as e:
+            work.record_launch_failure(
+                s, rows.job.id, number, request.placement, str(e),
+                capacity=isinstance(e, CapacityError), now=now,
+                retryable=not isinstance(e, TaskRejected), verb=verb,
+            )  # fmt: skip
+            return
+        crash_point("launch-accepted", number)
+        work.attempt_started(s, a, parts, now, verb)
+        if shrink is not None:
+            work.spare_launched(s, a, shrink.spare, shrink.refused, now)
+            if shrink.carry and previous is not None:
+                rpn = rows.spec.ranks_per_node
+                self._send_regroups(s, previous, a, plan, shrink.carry, rpn, now)
+
+    def _request(self, rows: Rows, a: Attempt, launch_try: int) -> LaunchRequest:
+        """The launch request of attempt ``a`` as it was recorded: its placement, and
+        the environment every node of it is started with."""
+        job, spec = rows.job, rows.spec
+        number = a.number
         placement = placement_of(a)
         plan = records.launch_plan_of(a)
         env = {
@@ -530,7 +569,7 @@ class Reconciler:
             env[Env.MICRO_BATCH] = str(placement.knobs.micro_batch)
             env[Env.GRAD_ACCUM] = str(placement.knobs.grad_accum)
             env[Env.ACTIVATION_CHECKPOINT_EVERY] = str(placement.knobs.activation_checkpoint_every)
-        request = LaunchRequest(
+        return LaunchRequest(
             job_id=job.id,
             attempt=number,
             placement=placement,
@@ -542,32 +581,6 @@ class Reconciler:
             exclude_hosts=plan.exclude_hosts,
             launch_try=launch_try,
         )
-        previous = attempt_row(s, job.id, number - 1)
-        before = parts_of(previous) if previous is not None else []
-        shrink: _Shrink | None = None
-        try:
-            if verb is rc.LaunchVerb.SHRINK:
-                shrink = self._shrink(s, request, previous, plan)
-                parts = [*shrink.group, *([shrink.spare] if shrink.spare else [])]
-            else:
-                parts = self._ask(verb, request, previous, before, plan, s)
-        except SubmitUncertain as e:
-            # The provider may hold the request: the next tick asks for the same key
-            # (adopting what was accepted), never a new one, and no failure is counted.
-            log.warning("job %s: attempt %s: %s; asking again", job.id, number, e)
-            return
-        except LaunchError as e:
-            work.record_launch_failure(
-                s, job.id, number, placement, str(e), capacity=isinstance(e, CapacityError),
-                now=now, retryable=not isinstance(e, TaskRejected), verb=verb,
-            )  # fmt: skip
-            return
-        crash_point("launch-accepted", number)
-        work.attempt_started(s, a, parts, now, verb)
-        if shrink is not None:
-            work.spare_launched(s, a, shrink.spare, shrink.refused, now)
-            if shrink.carry and previous is not None:
-                self._send_regroups(s, previous, a, plan, shrink.carry, spec.ranks_per_node, now)
 
     def _ask(
         self, verb: rc.LaunchVerb, request: LaunchRequest, previous: Attempt | None,
@@ -669,6 +682,33 @@ class Reconciler:
         except LaunchError as e:
             return _Shrink(parts, refused=str(e) or type(e).__name__, carry=carry)
         return _Shrink(parts, spare, carry=carry)
+
+    def _launch_spare(self, s: Session, rows: Rows, action: rc.LaunchSpare, now: datetime) -> None:
+        """Ask again for the replacements of an attempt that trains on fewer nodes
+        (``LaunchSpare``): ``count`` standby nodes beside the group, told its
+        rendezvous (the address of its node rank 0), never on one of its hosts. A
+        refusal is recorded for ``decide``, which asks again later."""
+        a = attempt_row(s, rows.job.id, action.attempt)
+        if a is None or a.state != AttemptState.RUNNING or not a.handle:
+            return
+        request = self._request(rows, a, 0)
+        address = work.group_address(s, rows.job.id, a.number) or ""
+        standby = self._part_request(
+            request, action.node_rank_base, action.count,
+            {Env.NNODES: str(rows.spec.num_nodes), Env.STANDBY: "1", Env.MASTER_ADDR: address},
+        )  # fmt: skip
+        busy = tuple(h for part in parts_of(a) for h in part.hosts if h)
+        try:
+            spare = self.launcher.launch(
+                replace(standby, exclude_hosts=(*request.exclude_hosts, *busy))
+            )
+        except SubmitUncertain as e:
+            log.warning("job %s: attempt %s: standby: %s; asking again", a.job_id, a.number, e)
+            return  # the same try, the same key, on the next tick
+        except LaunchError as e:
+            work.spare_asked_again(s, a, action, None, str(e) or type(e).__name__, now)
+            return
+        work.spare_asked_again(s, a, action, spare, "", now)
 
     @staticmethod
     def _send_regroups(

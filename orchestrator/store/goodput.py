@@ -310,6 +310,7 @@ def _held_nodes(shape: AttemptShape, at: datetime) -> int:
     if sp is None:
         return shape.training_nodes
     held = sp.launched and (sp.released is None or sp.released_at is None or sp.released_at > at)
+    held = held and (sp.asked_at is None or sp.asked_at <= at)
     return shape.training_nodes + (sp.count if held else 0)
 
 
@@ -323,12 +324,17 @@ def _spare_span(
     while it boots) to their release, else the attempt's end (a grow ends it: the spares
     train in the next attempt). A refused standby launch held nothing."""
     sp = shape.spare
-    if sp is None or not sp.launched:
+    if sp is None:
         return 0.0
+    if not sp.launched:
+        return sp.held_before_s
     asked = _as_str((a.handle or {}).get("requested_at"))
-    start = t(datetime.fromisoformat(asked)) if asked else span[0]
+    if sp.asked_at is not None:  # a later try's launch
+        start = t(sp.asked_at)
+    else:
+        start = t(datetime.fromisoformat(asked)) if asked else span[0]
     end = span[1] if sp.released is None or sp.released_at is None else t(sp.released_at)
-    return max(0.0, min(end, span[1]) - start)
+    return sp.held_before_s + max(0.0, min(end, span[1]) - start)
 
 
 def sampled_steps_per_second(session: Session, job_id: str) -> dict[int, float]:

@@ -16,6 +16,7 @@ the verb the reconciler picked for them then.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from orchestrator.domain import reconcile as rc
@@ -42,6 +43,19 @@ def _opt_int(d: dict[str, Any], key: str, where: str) -> int | None:
     if isinstance(raw, bool) or not isinstance(raw, int):
         raise StoredRecordError(f"{where}: {key!r} is not an integer: {raw!r}")
     return raw
+
+
+def _opt_time(d: dict[str, Any], key: str, where: str) -> datetime | None:
+    raw = d.get(key)
+    if raw is None:
+        return None
+    try:
+        at = datetime.fromisoformat(raw) if isinstance(raw, str) else None
+    except ValueError:
+        at = None
+    if at is None:
+        raise StoredRecordError(f"{where}: {key!r} is not an ISO time: {raw!r}")
+    return at if at.tzinfo else at.replace(tzinfo=UTC)
 
 
 def _legacy_verb(d: dict[str, Any]) -> rc.LaunchVerb:
@@ -153,8 +167,49 @@ class LaunchPlan:
     """Why a shrunk attempt's spares were given back (None: they were not)."""
     spare_cluster: str | None = None
     """The launch (``LaunchHandle.cluster_name``) that holds a shrunk attempt's spares."""
+    spare_count: int | None = None
+    """Spares asked for beside an attempt placed on fewer nodes than the spec's (a
+    shrink's are its placed size less ``train_nodes``)."""
+    spare_try: int | None = None
+    """The standby launches asked for, the current one included (None: a shrink's
+    own standby only, the first)."""
+    spare_asked_at: datetime | None = None
+    """When the current standby launch was requested (None: with the attempt's)."""
+    spare_released_at: datetime | None = None
+    """When the current one was given back or refused."""
+    spare_base: int | None = None
+    """The current try's first node rank (None: ``train_nodes``, the first try's)."""
+    spare_past: tuple[str, ...] = ()
+    """Earlier tries' standby launches, given back: never the training group's."""
+    spare_held_s: float = 0.0
+    """Seconds those earlier standby launches were held (billed) before release."""
     warm: bool = False
     """A shrink whose kept nodes are carried warm (``regroup`` commands), not restarted."""
+
+    @property
+    def spares_beside(self) -> bool:
+        """The attempt trains on ``train_nodes`` with standby spares beside it (a shrink,
+        or an attempt placed on fewer nodes that asked for its replacements since)."""
+        return self.train_nodes is not None and (
+            self.verb is rc.LaunchVerb.SHRINK or self.spare_count is not None
+        )
+
+    def spare_count_of(self, placed_nodes: int) -> int:
+        """How many spares: ``spare_count``, else the placed size less the group's."""
+        if self.spare_count is not None:
+            return self.spare_count
+        return placed_nodes - (self.train_nodes or placed_nodes)
+
+    @property
+    def tries(self) -> int:
+        """The standby launches asked for, the current one included."""
+        return self.spare_try if self.spare_try is not None else 1
+
+    def first_spare_rank(self) -> int:
+        """The current try's first node rank (earlier tries' spares sit below it)."""
+        if self.spare_base is not None:
+            return self.spare_base
+        return self.train_nodes or 0
 
 
 def plan_json(action: rc.RecordAttempt) -> dict[str, Any]:
@@ -194,6 +249,15 @@ def launch_plan_of(a: Attempt) -> LaunchPlan:
         train_nodes=_opt_int(k, "train_nodes", where),
         spare_released=str(k["spare_released"]) if k.get("spare_released") else None,
         spare_cluster=str(k["spare_cluster"]) if k.get("spare_cluster") else None,
+        spare_count=_opt_int(k, "spare_count", where),
+        spare_try=_opt_int(k, "spare_try", where),
+        spare_asked_at=_opt_time(k, "spare_asked_at", where),
+        spare_released_at=_opt_time(k, "spare_released_at", where),
+        spare_base=_opt_int(k, "spare_base", where),
+        spare_past=_strs(k, "spare_past", where),
+        spare_held_s=float(held)
+        if isinstance(held := k.get("spare_held_s"), int | float) and not isinstance(held, bool)
+        else 0.0,
         warm=k.get("warm") is True,
     )
 

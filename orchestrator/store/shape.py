@@ -12,9 +12,15 @@ splits it (``store.snapshot._attempt_view``: the first ``train_nodes`` node rank
 train, the rest and the spare launch's node ids are the spares), so no view counts a
 spare as a training node while another does not.
 
-When the spares were given back is not a column: it is the ``elastic`` event the
-reconciler records in the same round as the release ("replacement lost: ...", or the
-standby launch refused), the first one of that attempt.
+An attempt placed on fewer nodes than the spec's has the same shape once it asked for
+its replacements (``spare_count``), and a shrunk one whose spares were given back may
+ask again: the current try's launch is ``spare_cluster``, its nodes ranked from
+``spare_base``; earlier tries' launches (``spare_past``) were given back and bill only
+``spare_held_s``.
+
+When the spares were given back is ``spare_released_at``; rows from before it was
+recorded take the ``elastic`` event the reconciler recorded in the same round as the
+release ("replacement lost: ...", or the standby launch refused), the attempt's first.
 
 Read-only: nothing here writes.
 """
@@ -29,7 +35,6 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from orchestrator.contract import EventKind
-from orchestrator.domain import reconcile as rc
 from orchestrator.store import records
 from orchestrator.store.models import Attempt, FailureEvent, Node
 from orchestrator.store.snapshot import parts_of, utc
@@ -49,6 +54,10 @@ class Spares:
     """Why they were given back (None: they were not, or the group grew onto them)."""
     released_at: datetime | None
     """When they were given back (the ``elastic`` event recorded with the release)."""
+    asked_at: datetime | None = None
+    """When the current try's launch was requested (None: with the attempt's)."""
+    held_before_s: float = 0.0
+    """Seconds earlier tries' spares were held before they were given back."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +81,7 @@ def attempt_shape(
     """The shape of ``a`` from its launch plan, its handle and its registered ``nodes``
     (rows of this attempt: a spare's agent registers at a node rank past the group's)."""
     plan = records.launch_plan_of(a)
-    if plan.verb is not rc.LaunchVerb.SHRINK or plan.train_nodes is None:
+    if not plan.spares_beside or plan.train_nodes is None:
         return AttemptShape(a.number, a.num_nodes, a.num_nodes)
     train = plan.train_nodes
     launched = [
@@ -81,8 +90,9 @@ def attempt_shape(
         if plan.spare_cluster is not None and p.cluster_name == plan.spare_cluster
         for x in p.node_ids
     ]
+    first = plan.first_spare_rank()
     registered = [n.node_id for n in sorted(nodes, key=lambda n: n.node_rank)
-                  if n.node_rank >= train]  # fmt: skip
+                  if n.node_rank >= first]  # fmt: skip
     ids = tuple(dict.fromkeys([*launched, *registered]))
     released = plan.spare_released
     return AttemptShape(
@@ -90,11 +100,13 @@ def attempt_shape(
         a.num_nodes,
         train,
         Spares(
-            count=a.num_nodes - train,
+            count=plan.spare_count_of(a.num_nodes),
             node_ids=ids,
             launched=plan.spare_cluster is not None,
             released=released,
-            released_at=released_at if released is not None else None,
+            released_at=(plan.spare_released_at or released_at) if released is not None else None,
+            asked_at=plan.spare_asked_at,
+            held_before_s=plan.spare_held_s,
         ),
     )
 

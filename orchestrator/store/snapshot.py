@@ -243,12 +243,12 @@ def gather_snapshot(
         if view.spare is not None:
             # A spare's failures end the spare (``decide`` gives it back), never the
             # training group's attempt.
-            ids = view.spare.node_ids
+            ids, past = view.spare.node_ids, view.spare.past_ids
             view = replace(
                 view,
                 spare=replace(view.spare, failures=tuple(f for f in failures if f.node_id in ids)),
             )
-            failures = tuple(f for f in failures if f.node_id not in ids)
+            failures = tuple(f for f in failures if f.node_id not in ids | past)
     incident, past = _incidents(s, job_id)
     status = JobStatus(job.status)
     listing = None
@@ -454,12 +454,16 @@ def _attempt_view(
     every_part = parts_of(a)
     # A shrunk attempt (``LaunchVerb.SHRINK``): its first ``train_nodes`` nodes train;
     # the launch named ``spare_cluster`` holds the standby replacements beside them.
-    train = plan.train_nodes if plan.verb is rc.LaunchVerb.SHRINK else None
+    # An attempt placed on fewer nodes that asked for its replacements since is one too;
+    # earlier tries' standby launches (``spare_past``, given back) are neither.
+    train = plan.train_nodes if plan.spares_beside else None
     spare_parts = [
         p for p in every_part if train is not None and p.cluster_name == plan.spare_cluster
     ]
-    parts = [p for p in every_part if p not in spare_parts]
+    past_parts = [p for p in every_part if p.cluster_name in plan.spare_past]
+    parts = [p for p in every_part if p not in spare_parts and p not in past_parts]
     spare_ids = {x for p in spare_parts for x in p.node_ids}
+    past_ids = {x for p in past_parts for x in p.node_ids}
     nodes = s.execute(
         select(*NODE_COLUMNS).where(Node.job_id == job_id, Node.attempt == a.number)
     ).all()
@@ -484,7 +488,7 @@ def _attempt_view(
     if handle is not None and up_at is not None and a.state != AttemptState.ENDED:
         try:
             alive_ids = set()
-            for part in every_part:
+            for part in (*parts, *spare_parts):
                 st = launcher.status(part)
                 if st.state == "unknown":
                     alive_ids = None
@@ -542,10 +546,13 @@ def _attempt_view(
         views.append(view)
     if parsed is not None:
         parsed.put(job_id, seen)
-    spare_views = [v for v in views if train is not None and v.node_rank >= train]
-    views = [v for v in views if v not in spare_views]
+    beyond = [v for v in views if train is not None and v.node_rank >= train]
+    first_spare = plan.first_spare_rank()
+    spare_views = [v for v in beyond if v.node_rank >= first_spare]
+    past_ids.update(v.node_id for v in beyond if v.node_rank < first_spare)
+    views = [v for v in views if v not in beyond]
     spare_ids.update(v.node_id for v in spare_views)
-    registered = {v.node_id for v in views} | spare_ids
+    registered = {v.node_id for v in views} | spare_ids | past_ids
     vanished = tuple(
         n
         for n in (handle.node_ids if handle is not None else ())
@@ -585,7 +592,7 @@ def _attempt_view(
         )
         for d in [e.details or {}]
         if d.get("attempt") == a.number
-        and str(d.get("node_id") or e.node_id or "") not in spare_ids
+        and str(d.get("node_id") or e.node_id or "") not in spare_ids | past_ids
     )
     spare = None
     if train is not None:
@@ -597,12 +604,16 @@ def _attempt_view(
         )
         up = progress is not None and progress.phase is rc.LaunchPhase.UP
         spare = rc.SpareView(
-            count=a.num_nodes - train,
+            count=plan.spare_count_of(a.num_nodes),
             nodes=tuple(sorted(spare_views, key=lambda v: v.node_rank)),
             progress=None if up else progress,
             up=up,
             released=released,
             node_ids=frozenset(spare_ids),
+            tries=plan.tries,
+            asked_at=plan.spare_asked_at,
+            released_at=plan.spare_released_at,
+            past_ids=frozenset(past_ids - spare_ids),
         )
     return rc.AttemptView(
         requested_at=_when(a.handle, "requested_at"),
@@ -614,7 +625,7 @@ def _attempt_view(
         state=a.state,
         started_at=utc(a.started_at) or now,
         num_nodes=train if train is not None else a.num_nodes,
-        full_nodes=a.num_nodes if train is not None else None,
+        full_nodes=train + spare.count if train is not None and spare is not None else None,
         spare=spare,
         ranks_per_node=int((a.knobs or {}).get("ranks_per_node", 1)),
         expected_step=a.resume_step,

@@ -192,11 +192,13 @@ def record_failure(
 
 
 def record_note(s: Session, job_id: str, action: rc.RecordNote, now: datetime) -> None:
-    """A fact the reconciler noticed that is no failure, once per (kind, attempt)."""
+    """A fact the reconciler noticed that is no failure, once per (kind, attempt,
+    key)."""
+    key = f"{action.kind}-a{action.attempt}" + (f"-{action.key}" if action.key else "")
     repo.record_event(
         s,
         job_id,
-        idempotency_key=f"{action.kind}-a{action.attempt}",
+        idempotency_key=key,
         kind=action.kind,
         message=action.message,
         details={"attempt": action.attempt, "detected_by": "reconciler"},
@@ -407,7 +409,8 @@ def spare_launched(
         a.knobs = {**(a.knobs or {}), "spare_cluster": spare.cluster_name}
     else:
         reason = f"the standby launch was refused: {refused or 'no reason given'}"
-        a.knobs = {**(a.knobs or {}), "spare_released": reason}
+        a.knobs = {**(a.knobs or {}), "spare_released": reason,
+                   "spare_released_at": now.isoformat()}  # fmt: skip
         repo.record_event(
             s,
             a.job_id,
@@ -420,9 +423,86 @@ def spare_launched(
     s.flush()
 
 
-def spare_released(a: Attempt, reason: str) -> None:
+def spare_released(a: Attempt, reason: str, now: datetime) -> None:
     """The shrunk attempt's spares were given back (``ReleaseSpare``)."""
-    a.knobs = {**(a.knobs or {}), "spare_released": reason or "released"}
+    a.knobs = {**(a.knobs or {}), "spare_released": reason or "released",
+               "spare_released_at": now.isoformat()}  # fmt: skip
+
+
+def spare_asked_again(
+    s: Session, a: Attempt, action: rc.LaunchSpare, spare: LaunchHandle | None, refused: str,
+    now: datetime,
+) -> None:  # fmt: skip
+    """A later try at an attempt's replacements (``LaunchSpare``): the try before it
+    (given back, or refused) moves to ``spare_past`` with the seconds it was held, and
+    ``spare`` (None: refused, and why) is the current one. An attempt placed on fewer
+    nodes becomes one that trains on ``train_nodes`` with spares beside it."""
+    plan = records.launch_plan_of(a)
+    held = plan.spare_held_s
+    past = list(plan.spare_past)
+    if plan.spare_cluster is not None:
+        past.append(plan.spare_cluster)
+        asked = plan.spare_asked_at or _handle_time(a, "requested_at")
+        if asked is not None and plan.spare_released_at is not None:
+            held += max(0.0, (plan.spare_released_at - asked).total_seconds())
+    k = {
+        **(a.knobs or {}),
+        "train_nodes": plan.train_nodes if plan.train_nodes is not None else a.num_nodes,
+        "spare_try": action.tries,
+        "spare_base": action.node_rank_base,
+        "spare_asked_at": now.isoformat(),
+        "spare_past": past,
+        "spare_held_s": held,
+        "spare_cluster": spare.cluster_name if spare is not None else None,
+        "spare_released": None,
+        "spare_released_at": None,
+    }
+    if plan.verb is not rc.LaunchVerb.SHRINK:
+        k["spare_count"] = action.count
+    try_ = f"try {action.tries}"
+    if spare is None:
+        reason = f"the standby launch ({try_}) was refused: {refused or 'no reason given'}"
+        k.update(spare_released=reason, spare_released_at=now.isoformat())
+        message = f"replacement lost: {reason}; training goes on at {k['train_nodes']} nodes"
+    else:
+        message = f"{action.reason}: {spare.cluster_name} launching as standby"
+        parts = [_part(h) for h in parts_of(a)] + [_part(spare)]
+        a.handle = {
+            **(a.handle or {}),
+            "node_ids": [n for h in parts for n in h["node_ids"]],
+            "hosts": [x for h in parts for x in h["hosts"]],
+            "parts": parts,
+        }
+    a.knobs = k
+    repo.record_event(
+        s,
+        a.job_id,
+        idempotency_key=f"{EventKind.ELASTIC}-spare-a{a.number}-t{action.tries}",
+        kind=EventKind.ELASTIC,
+        message=message,
+        details={"attempt": a.number, "detected_by": "reconciler", "try": action.tries},
+        now=now,
+    )
+    s.flush()
+
+
+def _handle_time(a: Attempt, key: str) -> datetime | None:
+    raw = (a.handle or {}).get(key)
+    try:
+        at = datetime.fromisoformat(raw) if isinstance(raw, str) else None
+    except ValueError:
+        return None
+    return utc(at)
+
+
+def group_address(s: Session, job_id: str, number: int) -> str | None:
+    """Where the nodes of attempt ``number`` rendezvous: the address the service saw
+    the agent of its node rank 0 register from."""
+    row = s.scalars(
+        select(Node).where(Node.job_id == job_id, Node.attempt == number).order_by(Node.node_rank)
+    ).first()
+    ip = (row.progress or {}).get("client_ip") if row is not None else None
+    return str(ip) if ip else None
 
 
 def node_address(s: Session, job_id: str, number: int, node_id: str) -> str | None:

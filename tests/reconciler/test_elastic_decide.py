@@ -280,8 +280,66 @@ def test_a_replacement_never_provisioned_within_the_timeout_is_given_back():
     assert "not provisioned after 1000 s (provision_timeout_s 900)" in note.message
 
 
-def test_a_given_back_spare_asks_for_nothing_more():
-    assert rc.decide(snap(attempt=shrunk_attempt(released=True))) == []
+def test_a_given_back_spare_asks_for_nothing_until_the_wait_passed():
+    a = shrunk_attempt(released=True, tries=1, released_at=ago(59.0))
+    assert rc.decide(snap(attempt=a)) == []
+
+
+def test_a_given_back_spare_is_asked_for_again_past_the_given_back_ones_ranks():
+    (ask,) = rc.decide(snap(attempt=shrunk_attempt(released=True, tries=1, released_at=ago(61))))
+    assert isinstance(ask, rc.LaunchSpare)
+    assert (ask.attempt, ask.count, ask.node_rank_base, ask.tries) == (2, 1, 3, 2)
+    assert "asking again for 1 replacement (try 2, 61 s after the last" in ask.reason
+
+
+@pytest.mark.parametrize(("tries", "wait"), [(0, 60), (1, 60), (2, 120), (3, 240), (9, 900)])
+def test_each_try_doubles_the_wait_before_the_next_up_to_a_cap(tries, wait):
+    assert el.spare_wait_s(tries, el.ElasticConfig()) == wait
+
+
+def test_a_later_try_waits_its_doubled_wait_and_ranks_past_every_earlier_try():
+    a = shrunk_attempt(released=True, tries=3, released_at=ago(239))
+    assert rc.decide(snap(attempt=a)) == []
+    (ask,) = rc.decide(snap(attempt=replace(a, spare=replace(a.spare, released_at=ago(241)))))
+    assert (ask.node_rank_base, ask.tries) == (2 + 3, 4)
+
+
+def test_a_job_that_ends_before_a_replacement_would_be_up_runs_on_and_says_so():
+    ending = rc.RankView(rank=0, step=50, resumed_step=40, step_time=0.5, max_steps=60)
+    group = (replace(node(0, 2), ranks=(ending,)), replace(node(1, 2), ranks=(ending,)))
+    a = replace(shrunk_attempt(released=True, tries=1, released_at=ago(61)), nodes=group)
+    (note,) = rc.decide(snap(attempt=a))
+    assert isinstance(note, rc.RecordNote) and note.kind is EventKind.ELASTIC
+    assert "the 10 steps left end on 2 nodes in 5 s, before a replacement" in note.message
+    assert "running on at 2" in note.message
+
+
+def test_a_launcher_that_cannot_launch_beside_a_group_runs_on_and_says_so():
+    refills = rc.LauncherAbilities(restarts_in_place=True, refills_clusters=True)
+    a = shrunk_attempt(released=True, tries=1, released_at=ago(61))
+    (note,) = rc.decide(snap(attempt=a, abilities=refills))
+    assert isinstance(note, rc.RecordNote)
+    assert "cannot launch nodes beside a running group" in note.message
+
+
+def test_an_attempt_placed_on_fewer_nodes_asks_for_the_missing_ones():
+    two = replace(full_attempt(), num_nodes=2, nodes=(node(0), node(1)), up_at=ago(61))
+    (ask,) = rc.decide(snap(attempt=two))
+    assert (ask.attempt, ask.count, ask.node_rank_base, ask.tries) == (1, 1, 2, 1)
+    assert rc.decide(snap(attempt=replace(two, up_at=ago(30)))) == []
+
+
+def test_a_job_without_min_nodes_placed_on_all_its_nodes_asks_for_nothing():
+    assert rc.decide(snap(attempt=full_attempt(), spec=spec(None))) == []
+
+
+def test_a_later_trys_provisioning_timeout_counts_from_its_own_request():
+    late = replace(shrunk_attempt(tries=2, asked_at=ago(100)), requested_at=ago(1000))
+    assert rc.decide(snap(attempt=late)) == []
+    lost = replace(late, spare=replace(late.spare, asked_at=ago(1000)))
+    note, release = rc.decide(snap(attempt=lost))
+    assert "not provisioned after 1000 s" in note.message and note.key == "t2"
+    assert isinstance(release, rc.ReleaseSpare)
 
 
 # --- the grow's incident --------------------------------------------------------------------
