@@ -221,3 +221,29 @@ def spare_refused_job(session: Session, name: str = "gpt-spare-refused") -> JobH
     h.status(JobStatus.SUCCEEDED, END, "max steps reached")
     session.flush()
     return h
+
+
+SPARE_ASKED_AGAIN_AT = 4500.0
+
+
+def spare_asked_again_job(session: Session, name: str = "gpt-spare-again") -> JobHistory:
+    """3 -> 2 (+1 spare, lost at 4,000 s; asked for again at 4,500 s, node rank 3,
+    held to the end) nodes; succeeded shrunk at 9,000 s (the second spare never
+    registered: the grow is not part of this history)."""
+    h, a2, _ = _shrunk_start(session, name)
+    _as_shrunk(h, a2)
+    _spare_node(session, h, 3900, SPARE_LOST_AT - 30)
+    again = [f"{h.id}-a2-n3"]
+    a2.knobs = {
+        **(a2.knobs or {}), "spare_cluster": "c-spare-2", "spare_try": 2, "spare_base": 3,
+        "spare_past": ["c-spare"], "spare_held_s": SPARE_LOST_AT - SHRUNK_START,
+        "spare_asked_at": at(SPARE_ASKED_AGAIN_AT).isoformat(),
+    }  # fmt: skip
+    handle = dict(a2.handle or {})
+    parts = [*handle["parts"], {"cluster_name": "c-spare-2", "node_ids": again, "hosts": ["h3"]}]
+    handle.update(parts=parts, node_ids=[n for p in parts for n in p["node_ids"]])
+    a2.handle = handle
+    a2.ended_at, a2.state, a2.end_reason = at(END), "ended", "every rank exited 0"
+    h.status(JobStatus.SUCCEEDED, END, "max steps reached")
+    session.flush()
+    return h

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 from elastic_history import (
+    END,
     GROW_AT,
     GROW_STEPS,
     GROWN_START,
@@ -15,8 +16,10 @@ from elastic_history import (
     SHRINK_STEPS,
     SHRUNK_END,
     SHRUNK_START,
+    SPARE_ASKED_AGAIN_AT,
     SPARE_LOST_AT,
     grown_job,
+    spare_asked_again_job,
     spare_lost_job,
     spare_refused_job,
 )
@@ -72,6 +75,18 @@ def test_a_standby_launch_the_launcher_refused_bills_nothing(session):
     assert shrunk.shrunk and shrunk.spare_nodes == 1
     assert shrunk.spare_node_hours == 0.0 and r.spare_node_hours == 0.0
     assert shrunk.usd == pytest.approx(shrunk.node_hours * PRICE)
+
+
+def test_a_spare_asked_for_again_bills_the_earlier_try_until_its_release_and_this_one_since(
+    session,
+):
+    r = _report(session, spare_asked_again_job)
+    shrunk = r.attempts[1]
+    assert shrunk.shrunk and shrunk.spare_nodes == 1 and shrunk.training_nodes == 2
+    first = SPARE_LOST_AT - SHRUNK_START
+    second = END - SPARE_ASKED_AGAIN_AT
+    assert shrunk.spare_node_hours == pytest.approx((first + second) / 3600)
+    assert shrunk.usd == pytest.approx((shrunk.node_hours + shrunk.spare_node_hours) * PRICE)
 
 
 def test_time_spent_shrunk_is_the_training_time_of_the_phases_on_fewer_nodes(session):
