@@ -505,6 +505,7 @@ def attach_reconciler(
 ) -> Reconciler:
     """Give ``app`` a launcher (for chaos and status) and a reconciler, not yet started;
     the launcher's release goes on ``cleanup``."""
+    from orchestrator.domain.elastic import ElasticConfig
     from orchestrator.domain.reconcile import ReconcileConfig
     from orchestrator.reconciler.loop import Reconciler
 
@@ -519,7 +520,14 @@ def attach_reconciler(
         launcher=launcher,
         service_url=node_service_url(settings, launcher),
         service_ca_pem=settings.ca_pem(),
-        config=config or ReconcileConfig(register_timeout_s=settings.register_timeout_s),
+        config=config
+        or ReconcileConfig(
+            register_timeout_s=settings.register_timeout_s,
+            elastic=ElasticConfig(
+                spare_retry_s=settings.spare_retry_s,
+                spare_retry_cap_s=max(settings.spare_retry_s, ElasticConfig.spare_retry_cap_s),
+            ),
+        ),
         interval_s=settings.reconcile_interval_s,
     )
     app.state.reconciler = rec

@@ -216,6 +216,10 @@ class Settings(BaseSettings):
     register_timeout_s: float = Field(default=180.0, gt=0, le=86400)
     """How long a node that is up (its launch request done) may take to register
     before it is lost; provisioning has its own timeout in the job spec."""
+    spare_retry_s: float = Field(default=60.0, gt=0, le=86400)
+    """How long an elastic job training on fewer nodes than its spec's, with no
+    replacement coming (refused, or given back), waits before it asks again; the wait
+    doubles with each try, up to 15 minutes (``domain.elastic``)."""
     enrolment_ttl_s: float = Field(default=3600.0, gt=0, le=7 * 86400)
     """How long the enrolment token a launch's task carries stays good: provisioning
     plus setup. Each node spends it at its first register, for the attempt's agent
