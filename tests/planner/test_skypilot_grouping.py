@@ -178,3 +178,21 @@ def test_the_peers_go_out_once_node_0s_request_succeeded_even_if_its_job_is_not_
     assert nodes.progress(handle).phase is not LaunchPhase.UP
     assert [kw["cluster_name"] for _, kw in fake.submitted("launch")] == [N0, N1]
     assert envs_of(fake, N1)[Env.MASTER_ADDR] == "10.0.0.5"
+
+
+def test_a_standby_asked_for_again_is_one_new_cluster_ranked_past_the_given_back_one(nodes, fake):
+    """``LaunchSpare`` on the node grouping: attempt 2 trains on nodes 0 and 1, its
+    first standby (node 2) was given back; the second try is node 3's own cluster,
+    told the group's rendezvous, and nothing of the group is touched."""
+    group = {Env.NNODES: "3", Env.MASTER_ADDR: "10.0.0.5", Env.STANDBY: "1"}
+    spare = replace(request(attempt=2), placement=replace(A2, num_nodes=1), node_rank_base=3,
+                    env={**group, Env.NODE_RANK_BASE: "3"})  # fmt: skip
+    h = nodes.launch(spare)
+    ((_, kw),) = fake.submitted("launch")
+    assert kw["cluster_name"] == node_cluster_name("j-7", 2, 0, 3) == "sr-j-7-a2-n3"
+    assert h.node_ids == ("j-7-a2-n3",)
+    env = envs_of(fake, "sr-j-7-a2-n3")
+    assert (env[Env.NODE_RANK_BASE], env[Env.MASTER_ADDR], env[Env.STANDBY]) == (
+        "3", "10.0.0.5", "1",
+    )  # fmt: skip
+    assert not fake.submitted("exec") and not fake.submitted("down")
