@@ -1008,6 +1008,10 @@ def detect(s: JobSnapshot, a: AttemptView, cfg: ReconcileConfig) -> RecordFailur
                 f"node {node.node_id} sent no heartbeat for {hb:.0f} s "
                 f"(timeout {s.heartbeat_timeout_s:.0f} s)",
             )
+    if waiting is None:
+        alone = _left_behind(s, a, relative, cfg)
+        if alone is not None:
+            return alone
     # A hang is a rank that stopped while its agent still heartbeats. While some node's
     # agent has been silent for half the timeout, the others' stalled ranks are waiting
     # on it: that node is lost at the timeout, and calling its peers hung first (their
@@ -1050,6 +1054,35 @@ def detect(s: JobSnapshot, a: AttemptView, cfg: ReconcileConfig) -> RecordFailur
                     f"in {cfg.register_timeout_s:.0f} s after it was up",
                 )
     return None
+
+
+def _left_behind(
+    s: JobSnapshot, a: AttemptView, relative: dict[str, float], cfg: ReconcileConfig
+) -> RecordFailure | None:
+    """The peer a warm group lost: every live node but one waits warm (each of its
+    ranks left a group that lost a peer, alive, for a new membership) and that one
+    has been silent for ``hearsay_wait_s`` (at most half the heartbeat timeout). A
+    live node of a broken group regroups too, and its agent beats at once when its
+    ranks do; one that stays silent is the one they lost. On a cloud this is seen
+    long before the heartbeat timeout or the launcher's status (SkyPilot lists a
+    terminated VM only at its next status refresh); the local provisioner sees the
+    processes vanish at once (``alive``)."""
+    live = [n for n in a.nodes if not n.exited]
+    behind = [n for n in live if not n.waiting_warm]
+    if len(live) < 2 or len(behind) != 1:
+        return None
+    node = behind[0]
+    quiet = relative.get(node.node_id, 0.0)
+    if quiet < min(cfg.hearsay_wait_s, s.heartbeat_timeout_s / 2):
+        return None
+    return RecordFailure(
+        EventKind.NODE_LOST,
+        _F.NODE_LOST,
+        node.node_id,
+        f"node {node.node_id} silent for {quiet:.0f} s while every rank of its "
+        f"{len(live) - 1} peer node{'s' if len(live) > 2 else ''} left the group to regroup "
+        f"(heartbeat timeout {s.heartbeat_timeout_s:.0f} s)",
+    )
 
 
 def resumed_everywhere(a: AttemptView) -> int | None:

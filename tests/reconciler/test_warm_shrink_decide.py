@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import timedelta
 
+from orchestrator.contract import EventKind
 from orchestrator.domain import reconcile as rc
 from orchestrator.domain.failures import FailureClass as F
 from orchestrator.domain.protocol import ProtocolStep as P
@@ -123,3 +124,36 @@ def test_held_survivors_that_select_does_not_shrink_onto_are_joined_cold():
     s = replace(s, attempt=replace(s.attempt, nodes=(held(node(0)), held(node(1)), LOST)))
     sel = selection(s)
     assert sel.result.verb is rc.LaunchVerb.JOIN_SURVIVORS and not sel.result.warm
+
+
+# --- detect: the peer a warm group lost, before its heartbeat timeout ---------------------
+
+
+def _running(*nodes: rc.NodeView) -> rc.JobSnapshot:
+    return snap(attempt=replace(full_attempt(), nodes=nodes))
+
+
+def test_a_node_silent_while_every_peer_regroups_is_lost_before_its_heartbeat_timeout():
+    # Node 2's VM is gone; the cloud's status does not say so yet (alive unknown).
+    silent = replace(node(2, hb=11.0), alive=None)
+    (found,) = rc.decide(_running(waiting(node(0)), waiting(node(1)), silent))
+    assert isinstance(found, rc.RecordFailure)
+    assert (found.kind, found.failure_class, found.node_id) == (
+        EventKind.NODE_LOST, F.NODE_LOST, "j-a1-n2",
+    )  # fmt: skip
+    assert "silent for 11 s while every rank of its 2 peer nodes left the group" in found.message
+
+
+def test_a_node_heard_lately_is_not_blamed_for_its_peers_regrouping():
+    recent = replace(node(2, hb=4.0), alive=None)
+    assert rc.decide(_running(waiting(node(0)), waiting(node(1)), recent)) == []
+
+
+def test_silence_beside_a_peer_that_is_not_regrouping_waits_for_the_heartbeat_timeout():
+    silent = replace(node(2, hb=11.0), alive=None)
+    assert rc.decide(_running(waiting(node(0)), node(1), silent)) == []
+
+
+def test_two_silent_nodes_beside_one_regrouping_wait_for_the_heartbeat_timeout():
+    a, b = replace(node(1, hb=11.0), alive=None), replace(node(2, hb=11.0), alive=None)
+    assert rc.decide(_running(waiting(node(0)), a, b)) == []
