@@ -693,9 +693,12 @@ class Reconciler:
             return
         request = self._request(rows, a, 0)
         address = work.group_address(s, rows.job.id, a.number) or ""
+        # A standby trains nothing: its size only bounds its node rank (the agent checks
+        # it), which is past the group's; the grow tells every node the group's size.
+        top = str(action.node_rank_base + action.count)
         standby = self._part_request(
             request, action.node_rank_base, action.count,
-            {Env.NNODES: str(rows.spec.num_nodes), Env.STANDBY: "1", Env.MASTER_ADDR: address},
+            {Env.NNODES: top, Env.STANDBY: "1", Env.MASTER_ADDR: address},
         )  # fmt: skip
         busy = tuple(h for part in parts_of(a) for h in part.hosts if h)
         try:

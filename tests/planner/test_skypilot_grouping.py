@@ -184,7 +184,7 @@ def test_a_standby_asked_for_again_is_one_new_cluster_ranked_past_the_given_back
     """``LaunchSpare`` on the node grouping: attempt 2 trains on nodes 0 and 1, its
     first standby (node 2) was given back; the second try is node 3's own cluster,
     told the group's rendezvous, and nothing of the group is touched."""
-    group = {Env.NNODES: "3", Env.MASTER_ADDR: "10.0.0.5", Env.STANDBY: "1"}
+    group = {Env.NNODES: "4", Env.MASTER_ADDR: "10.0.0.5", Env.STANDBY: "1"}
     spare = replace(request(attempt=2), placement=replace(A2, num_nodes=1), node_rank_base=3,
                     env={**group, Env.NODE_RANK_BASE: "3"})  # fmt: skip
     h = nodes.launch(spare)

@@ -111,9 +111,10 @@ def test_a_refused_standby_is_asked_for_again_beside_the_group_once_the_wait_pas
     assert w.standbys() == []
     w.tick(30.0)
     (req,) = w.standbys()
-    # One node, ranked past the refused try's (2), told the group's size and rendezvous.
+    # One node, ranked past the refused try's (2), told the group's rendezvous; its
+    # size bounds its rank (the agent refuses a rank past it).
     assert (req.node_rank_base, req.placement.num_nodes, req.placement.region) == (3, 1, "r1")
-    assert req.env[Env.NNODES] == "3" and req.env[Env.MASTER_ADDR] == "10.0.0.2"
+    assert req.env[Env.NNODES] == "4" and req.env[Env.MASTER_ADDR] == "10.0.0.2"
     assert {"h2-0", "h2-1"} <= set(req.exclude_hosts)
     plan = w.plan()
     assert (plan.spare_try, plan.spare_base, plan.spare_released) == (2, 3, None)
