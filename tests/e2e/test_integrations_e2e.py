@@ -26,7 +26,7 @@ pytest.importorskip("transformers")
 
 from tests.training.datagrams import Listener
 
-pytestmark = pytest.mark.long
+pytestmark = [pytest.mark.long, pytest.mark.e2e]  # e2e: one at a time under xdist
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_STEPS = 6
