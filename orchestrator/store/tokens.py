@@ -284,11 +284,18 @@ def use_enrolment(
         raise EnrolmentRefused(
             f"this enrolment token expired at {at} (SKYRESUME_ENROLMENT_TTL_S after its launch)"
         )
-    nodes = session.scalar(
-        select(Attempt.num_nodes).where(Attempt.job_id == job_id, Attempt.number == attempt)
-    )
+    row = session.execute(
+        select(Attempt.num_nodes, Attempt.handle).where(
+            Attempt.job_id == job_id, Attempt.number == attempt
+        )
+    ).first()
+    nodes = row.num_nodes if row is not None else None
+    # Node ranks 0..num_nodes-1, or any id the attempt's launches named: a standby
+    # asked for again is ranked past every earlier try's (``LaunchSpare``).
+    launched = ((row.handle if row is not None else None) or {}).get("node_ids") or []
     k = node_id.removeprefix(f"{job_id}-a{attempt}-n")
-    if nodes is None or not (k.isascii() and k.isdigit() and len(k) < 6 and int(k) < nodes):
+    ranked = k.isascii() and k.isdigit() and len(k) < 6 and nodes is not None and int(k) < nodes
+    if nodes is None or not (ranked or node_id in launched):
         raise EnrolmentRefused(
             f"node {node_id!r} is not a node of attempt {attempt} of job {job_id} "
             f"({nodes or 0} nodes: {job_id}-a{attempt}-n0...)"

@@ -86,6 +86,22 @@ def test_each_node_of_the_attempt_enrols_once_and_no_node_beyond_it(client, job)
         assert s.scalar(select(func.count()).select_from(AgentEnrolment)) == 2
 
 
+def test_a_standby_ranked_past_the_attempts_nodes_enrols_when_its_launch_named_it(client, job):
+    """A standby asked for again (``LaunchSpare``) is ranked past every earlier try's
+    nodes: node rank 3 of an attempt placed for 3. Its launch, in the handle, names it;
+    a rank past the nodes that no launch named is still refused."""
+    from orchestrator.store.models import Attempt
+
+    with client.app.state.sessionmaker() as s, s.begin():
+        a = s.scalars(select(Attempt).where(Attempt.job_id == job)).one()
+        a.num_nodes = 3
+        a.handle = {"node_ids": [f"{job}-a1-n0", f"{job}-a1-n1", f"{job}-a1-n3"]}
+    token = mint(client, job)
+    assert enrol(client, job, token, 3).status_code == 200
+    unnamed = enrol(client, job, token, 4)
+    assert unnamed.status_code == 401 and "is not a node of attempt 1" in unnamed.json()["detail"]
+
+
 def test_an_expired_enrolment_opens_nothing(client, job):
     token = mint(client, job, ttl=timedelta(minutes=5), now=datetime.now(UTC) - timedelta(hours=1))
     r = enrol(client, job, token)
