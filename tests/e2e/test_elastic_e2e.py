@@ -178,3 +178,56 @@ def test_three_nodes_shrink_to_two_at_once_and_grow_back_seeing_every_sample_onc
 
     worst = max((comparable(k, a[k]) - comparable(k, b[k])).abs().max().item() for k in b)
     assert worst < 1e-5, worst
+
+
+RETRY_STEPS = 400
+
+
+@pytest.mark.long  # CI runs it in .ci/run's long step
+def test_a_standby_refused_for_capacity_is_asked_for_again_and_the_group_grows_back(tmp_path):
+    """The region is stocked out when the node dies: the shrunk group trains while
+    its standby launch fails for capacity; 5 s later (SKYRESUME_SPARE_RETRY_S) the
+    service asks again, the capacity is back, and the group grows onto the new node.
+    Every step's global batch is still the sampler's, seen once."""
+    from training.data import ResumableSampler
+
+    home = tmp_path / "again"
+    home.mkdir()
+    (home / "samples").mkdir()
+    env = {"SKYRESUME_LOCAL_PROVISION_DELAY_S": "8", "SKYRESUME_SPARE_RETRY_S": "5"}
+    with serving(home, s3=True, **env) as (http, svc):
+        spec = elastic_spec(home, svc.checkpoint_uri)
+        spec["task"]["command"] = spec["task"]["command"].replace(
+            f"--max-steps {STEPS}", f"--max-steps {RETRY_STEPS}"
+        )
+        job = str(api_post(http, "/v1/jobs", spec)["id"])
+        end = time.monotonic() + 720
+        wait_for(http, job, "step 25", lambda st, n, v, step: v is not None and step >= 25, end)
+        # Still stocked out when the first standby's provisioning ends (8 s after the
+        # shrink); lifted by the time the second try's does.
+        api_post(http, "/v1/chaos/stockout", {"region": "local", "seconds": 12})
+        api_post(http, f"/v1/jobs/{job}/chaos", {"action": "kill-node", "node": 2})
+        wait_for(http, job, "the end", lambda st, n, v, step: st == "SUCCEEDED", end)
+        lost, grow = incidents(http, job)
+        every = api_get(http, f"/v1/jobs/{job}/events?limit=1000")["items"]
+        said = [e["message"] for e in every if e["kind"] == "elastic"]
+
+    assert lost["failure_class"] == "node_lost" and lost["train_nodes"] == 2
+    assert any("replacement lost: its launch failed: InsufficientInstanceCapacity" in m
+               for m in said), said  # fmt: skip
+    assert any("asking again for 1 replacement (try 2" in m for m in said), said
+    assert grow["failure_class"] == "elastic_grow" and grow["planned"] is True
+    assert "restart in place as one group of 3" in step_detail(grow, "select_replacement")
+    assert "-n3" in step_detail(grow, "select_replacement")  # the second try's node
+
+    got = read_samples(home / "samples")
+    assert sorted(got) == list(range(RETRY_STEPS))
+    sampler = ResumableSampler(600, GLOBAL_BATCH, seed=0, rank=0, world_size=1)
+    worlds = []
+    for step in range(RETRY_STEPS):
+        ids = [i for r in got[step] for i in r["indices"]]
+        assert len(ids) == GLOBAL_BATCH and ids == sampler.global_indices(), step
+        sampler.advance()
+        worlds.append(got[step][0]["world"])
+    phases = [w for i, w in enumerate(worlds) if i == 0 or worlds[i - 1] != w]
+    assert phases == [3, 2, 3], worlds
