@@ -140,8 +140,10 @@ from training.regroup import (
     GroupEnd,
     LeaveForMembership,
     MembershipTimeout,
+    RegroupTimeline,
     StoppedWhileWaiting,
     await_membership,
+    await_store,
     detect_group_loss,
     drop_ddp_hooks,
     process_group_timeout,
@@ -506,6 +508,8 @@ class Run:
         """A newer generation every rank read at this step boundary: save and leave."""
         self._group_timeout: Any = None
         self._backend = ""
+        self._timeline: RegroupTimeline | None = None
+        """The warm regroup in progress, until the new group's first step is done."""
         if self.warm_regroup:
             self._adopt_generation_at_start()
 
@@ -680,6 +684,7 @@ class Run:
         disagree. Sends one ``resumed`` datagram per rank once they agree."""
         if self._restored:
             return self.step
+        self._mark("restoring")
         if self.warm_regroup and stale_ddp(self.model):
             raise RuntimeError(
                 "run.model is a DistributedDataParallel of an earlier process group: build "
@@ -705,6 +710,7 @@ class Run:
             error = self._stage() if not explicit else None
             try:
                 chosen, paths, world_at_save = self._agree_on_checkpoint(explicit, error)
+                self._mark("agreed")
             except CheckpointUnusable as e:
                 self._exit(ExitCode.CHECKPOINT_INVALID, f"checkpoint unusable: {e}")
             except ResumeMismatch as e:
@@ -719,7 +725,11 @@ class Run:
                     raise  # a peer died during the load: the checkpoint is not at fault
                 self._exit(ExitCode.CHECKPOINT_INVALID, f"{step_dir}: could not load: {e}")
             digest = chosen[1]
+            self._mark("loaded")
         self.confirm_resumed(step, digest)
+        if self._timeline is not None:
+            self._timeline.mark("resumed")
+            self._timeline.resume_step = step
         if digest and self.rank == 0:
             print(f"resumed from step {step} ({paths[chosen]})", file=sys.stderr)  # type: ignore[index]
         return step
@@ -1030,6 +1040,8 @@ class Run:
             samples_per_s=(self.global_batch or 0) / dt if dt > 0 else 0.0,
             max_steps=self._max_steps,
         )
+        if self._timeline is not None:
+            self._first_step_after_regroup()
         if gn is not None:
             self._grad_norms.append((index, gn))
         if loss is not None:
@@ -1173,6 +1185,7 @@ class Run:
             if end.reason is RegroupReason.MEMBERSHIP:  # saved: as a stop does
                 self._exit(ExitCode.PREEMPTED_SAVED, f"sharded model: saved step {end.saved_step}")
             self._exit(ExitCode.REGROUP_FAILED, f"sharded model cannot regroup warm: {end.error}")
+        self._timeline = RegroupTimeline(self.generation)
         first_line = (end.error or "").splitlines()[0] if end.error else ""
         print(
             f"rank {self.rank}: generation {self.generation} ended at step {self.step} "
@@ -1199,13 +1212,31 @@ class Run:
         newer_than = self.generation
         while True:
             membership = self._await_membership(newer_than)
+            self._mark("membership")
             failed = self._join(membership)
             if failed is None:
+                self._mark("formed")
                 break
             print(f"rank {self.rank}: gen {membership.generation}: {failed}", file=sys.stderr)
             self._send_regroup(membership.generation, GroupEnd(RegroupReason.FORM_FAILED, failed))
             newer_than = membership.generation
         self._adopt_world(membership)
+
+    def _mark(self, phase: str) -> None:
+        if self._timeline is not None:
+            self._timeline.mark(phase)
+
+    def _first_step_after_regroup(self) -> None:
+        """The new group's first completed step: where the regroup's seconds went, on
+        stderr (every rank; a benchmark reads the earliest rank's completion time, as
+        it reads a restarted torchrun's first progress datagram)."""
+        timeline, self._timeline = self._timeline, None
+        assert timeline is not None
+        print(
+            timeline.first_step_line(self.rank, self.generation, self.step),
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _send_regroup(self, generation: int, end: GroupEnd) -> None:
         self.reporter.send(
@@ -1248,6 +1279,8 @@ class Run:
         # hosted by node 0's torchrun): for the new group rank 0 must host its own, or
         # every rank waits as a client of a store nobody serves.
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+        if rank != 0:  # rank 0 hosts the store: connect once it listens (see await_store)
+            await_store(m.master_addr, m.master_port, self._group_timeout.total_seconds())
         try:
             dist.init_process_group(
                 self._backend,

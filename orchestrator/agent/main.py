@@ -1184,12 +1184,13 @@ class Agent:
         )  # fmt: skip
         stage_from = args.get("stage_from")
         if isinstance(stage_from, str) and stage_from:
-            if not self._registered.wait(30.0):
-                log.warning("not registered in attempt %d yet; staging anyway", attempt)
             where = {Env.RESUME_FROM: str(args.get("resume_from") or "")}
             if m.resume_step is not None:
                 where[Env.EXPECTED_STEP] = str(m.resume_step)
-            if not self.stage_checkpoint(stage_from, where):
+            # The download runs while the heartbeat thread registers (each ~0.1 s here);
+            # only the reports, which the new attempt refuses from an unregistered node,
+            # wait for the registration.
+            if not self.stage_checkpoint(stage_from, where, reports_after=self._registered):
                 self.begin_stop("regroup: the checkpoint could not be staged", 0.0)
                 return False
             assert self.staged is not None
@@ -1405,12 +1406,20 @@ class Agent:
             env.setdefault(Env.REGROUP_TIMEOUT_S, str(REGROUP_WAIT_S))
         return env
 
-    def stage_checkpoint(self, uri: str | None = None, env: dict[str, str] | None = None) -> bool:
+    def stage_checkpoint(
+        self,
+        uri: str | None = None,
+        env: dict[str, str] | None = None,
+        *,
+        reports_after: threading.Event | None = None,
+    ) -> bool:
         """Stage ``uri`` (default ``Env.STAGE_FROM``) onto the node's disk before
         torchrun, or before a carried group re-forms (stage.py; ``env``: that attempt's
         ``RESUME_FROM`` and ``EXPECTED_STEP``), and report it; False:
         it failed, a ``node_exit`` is reported and torchrun must not start. True when
-        staged, or when nothing was asked for."""
+        staged, or when nothing was asked for. ``reports_after``: the reports wait for
+        it (up to 30 s; a carried agent's registration in its new attempt), the
+        download does not."""
         uri = uri or self.environ.get(Env.STAGE_FROM)
         if not uri:
             return True
@@ -1421,6 +1430,9 @@ class Agent:
         out = st.stage_for_ranks(env, self.cfg.local_dir)
         assert out is not None
         self.staged = out
+        if reports_after is not None and not reports_after.wait(30.0):
+            log.warning("not registered in attempt %d yet; reporting the stage anyway",
+                        self.cfg.attempt)  # fmt: skip
         self.report(
             ReportKind.STAGED,
             f"staged:{out.step}:{'ok' if out.ok else 'failed'}",

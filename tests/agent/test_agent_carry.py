@@ -5,9 +5,12 @@ it; a command it cannot honour moves nothing."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
+from typing import Any
 
 from orchestrator.agent import ranks as rk
+from orchestrator.agent import stage as st
 from orchestrator.agent.main import Agent, parse_args
 from orchestrator.contract import MEMBERSHIP_KEY, Env, Membership
 
@@ -46,6 +49,33 @@ def test_a_regroup_moves_the_agent_and_writes_the_membership(tmp_path):
         assert a.board.snapshot(2).regrouping is None  # the old attempt's word is dropped
         doc = json.loads(a.cfg.control_file.read_text())[MEMBERSHIP_KEY]
         assert Membership.from_doc(doc) == Membership.from_doc(membership())
+    finally:
+        a.listener.stop()
+
+
+def test_a_carried_agent_downloads_while_it_registers_and_reports_only_once_registered(
+    tmp_path, monkeypatch
+):
+    a = agent(tmp_path)
+    order: list[tuple[str, bool]] = []
+    staged = tmp_path / "staged" / "step_40"
+
+    def stage(env: Any, node_disk: Path) -> st.StageOutcome:
+        order.append(("download", a._registered.is_set()))
+        # The heartbeat thread registers in the new attempt meanwhile.
+        threading.Timer(0.05, a._registered.set).start()
+        return st.StageOutcome(True, 40, "staged", 10, 0.01, "s3://b/ck/step_40", str(staged))
+
+    def report(kind: Any, key: str, **fields: Any) -> None:
+        order.append((str(kind), a._registered.is_set()))
+
+    monkeypatch.setattr(st, "stage_for_ranks", stage)
+    monkeypatch.setattr(a, "report", report)
+    try:
+        assert a.carry(regroup(stage_from="s3://b/ck/step_40", resume_from="{node_disk}/s"))
+        assert order == [("download", False), ("staged", True)]
+        doc = json.loads(a.cfg.control_file.read_text())[MEMBERSHIP_KEY]
+        assert Membership.from_doc(doc).resume_from == str(staged)
     finally:
         a.listener.stop()
 

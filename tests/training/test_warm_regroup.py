@@ -38,12 +38,15 @@ from training import ResumableSampler, RunExit
 from training.checkpoint import CheckpointError, find_latest_complete
 from training.control import ControlFile
 from training.regroup import (
+    FIRST_STEP_LINE,
     PEER_TIMEOUT_PATTERNS,
     Group,
     LeaveForMembership,
     MembershipTimeout,
+    RegroupTimeline,
     StoppedWhileWaiting,
     await_membership,
+    await_store,
     detect_group_loss,
 )
 
@@ -234,6 +237,51 @@ def test_the_wait_takes_only_a_newer_generation_and_ends_at_the_timeout_or_a_sto
         await_membership(read, 3, 5, clock=clock, sleep=clock.sleep)
     with pytest.raises(StoppedWhileWaiting):
         await_membership(read, 3, 5, stopped=lambda: True, clock=clock, sleep=clock.sleep)
+
+
+def test_a_rank_waits_for_the_new_groups_store_and_gives_up_only_at_the_timeout():
+    clock = _Clock()
+    tried: list[float] = []
+
+    def connect(host: str, port: int, timeout_s: float) -> None:
+        tried.append(clock.now)
+        if clock.now < 100.045:
+            raise ConnectionRefusedError(f"{host}:{port}")  # rank 0 not listening yet
+
+    assert await_store("10.0.0.1", 29602, 5, connect=connect, clock=clock, sleep=clock.sleep)
+    # Retried every poll, not after torch's 0.3 s and 0.7 s backoff.
+    assert clock.now == pytest.approx(100.05) and len(tried) == 6
+
+    def refused(host: str, port: int, timeout_s: float) -> None:
+        raise ConnectionRefusedError(host)
+
+    clock.now = 200.0
+    assert not await_store("10.0.0.1", 29602, 2, connect=refused, clock=clock, sleep=clock.sleep)
+    assert clock.now == pytest.approx(202.0, abs=0.02)
+
+
+def test_a_store_that_listens_is_found_at_once():
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        assert await_store("127.0.0.1", srv.getsockname()[1], 5)
+
+
+def test_the_regroup_timeline_says_each_phase_and_the_benchmark_can_read_it():
+    clock = _Clock()
+    timeline = RegroupTimeline(0, clock=clock)
+    for phase, at in (("membership", 101.5), ("formed", 101.52), ("resumed", 101.7)):
+        clock.now = at
+        timeline.mark(phase)
+    timeline.resume_step = 30
+    clock.now = 101.85
+    line = timeline.first_step_line(1, 2, 31)
+    assert "membership +1.500, formed +1.520, resumed +1.700, first step +1.850 s" in line
+    m = FIRST_STEP_LINE.search(line)
+    assert m is not None
+    assert m.groups() == ("1", "2", "31", "30", "101.850", "100.000")
+    with pytest.raises(ValueError, match="unknown regroup phase"):
+        timeline.mark("warm")
 
 
 def test_the_regroup_datagram_is_part_of_the_contract():
