@@ -1064,9 +1064,10 @@ def _left_behind(
     has been silent for ``hearsay_wait_s`` (at most half the heartbeat timeout). A
     live node of a broken group regroups too, and its agent beats at once when its
     ranks do; one that stays silent is the one they lost. On a cloud this is seen
-    long before the heartbeat timeout or the launcher's status (SkyPilot lists a
-    terminated VM only at its next status refresh); the local provisioner sees the
-    processes vanish at once (``alive``)."""
+    long before the heartbeat timeout or the launcher's status (SkyPilot's cached
+    status stays UP until its refresh daemon runs, every 60 s: sky/server/
+    constants.py:110, shared/SKYPILOT.md); the local provisioner sees the processes
+    vanish at once (``alive``)."""
     live = [n for n in a.nodes if not n.exited]
     behind = [n for n in live if not n.waiting_warm]
     if len(live) < 2 or len(behind) != 1:
