@@ -90,6 +90,9 @@ class FailureRecord:
     instance_type: str
     at: datetime
     failure_class: str = "preemption_notice"
+    num_nodes: int | None = None
+    """A capacity refusal: how many nodes the refused launch asked for (None: not
+    known). An elastic job may still get fewer there (:func:`capacity_short`)."""
 
 
 @dataclass(frozen=True)
@@ -260,6 +263,23 @@ def stocked_out(
     return blocked
 
 
+def capacity_short(
+    history: Iterable[FailureRecord], now: datetime, policy: PlannerPolicy
+) -> dict[tuple[str, str, str], int]:
+    """(cloud, region, instance type) -> the fewest nodes a launch there was refused
+    for lack of capacity within the cool-down, where the refusal says how many it
+    asked for: fewer than that may well fit (a cloud that cannot find 4 VMs often
+    finds 3), which an elastic job can train on."""
+    short: dict[tuple[str, str, str], int] = {}
+    for f in history:
+        if f.failure_class != "capacity_unavailable" or f.num_nodes is None:
+            continue
+        if f.at + policy.cooldown > now:
+            key = (f.cloud.lower(), f.region, f.instance_type)
+            short[key] = min(f.num_nodes, short.get(key, f.num_nodes))
+    return short
+
+
 def _node_counts(spec: JobSpec, available: int | None) -> list[int]:
     top = spec.num_nodes if available is None else min(spec.num_nodes, available)
     return list(range(top, spec.effective_min_nodes - 1, -1))
@@ -292,6 +312,9 @@ def rank(
     history = list(history)
     blocked = cooled_down_regions(history, now, policy)
     no_capacity = stocked_out(history, now, policy)
+    # An elastic job is offered fewer nodes than a capacity refusal asked for, down to
+    # min_nodes, rather than losing the placement for the cool-down.
+    short = capacity_short(history, now, policy) if spec.elastic_nodes else {}
     allowed_clouds = {c.lower() for c in spec.clouds}
     ranked: list[Ranked] = []
     rejected: list[Rejection] = []
@@ -327,8 +350,13 @@ def rank(
                 f"{until.isoformat(timespec='minutes')}",
             )
             continue
-        until = no_capacity.get((c.cloud.lower(), c.region, c.instance_type))
-        if until is not None:
+        key = (c.cloud.lower(), c.region, c.instance_type)
+        until = no_capacity.get(key)
+        fewer = short.get(key, 0) - 1
+        if until is not None and fewer >= spec.effective_min_nodes:
+            given = (available_nodes or {}).get(key)
+            available_nodes = {**(available_nodes or {}), key: min(fewer, given or fewer)}
+        elif until is not None:
             reject(
                 c,
                 Constraint.COOLDOWN,

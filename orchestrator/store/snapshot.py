@@ -808,6 +808,7 @@ def placement_history(s: Session, now: datetime) -> list[FailureRecord]:
                         str(d.get("instance_type", "")),
                         at,
                         str(FailureClass.CAPACITY_UNAVAILABLE),
+                        num_nodes=n if isinstance(n := d.get("num_nodes"), int) else None,
                     )
                 )
             continue

@@ -357,6 +357,7 @@ def record_launch_failure(
             "cloud": p.cloud,
             "region": p.region,
             "instance_type": p.instance_type,
+            "num_nodes": p.num_nodes,
             "capacity": capacity,
             "retryable": retryable,
             "verb": str(verb),

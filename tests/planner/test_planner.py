@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -210,6 +211,30 @@ def test_min_nodes_lets_a_short_region_run_on_fewer_nodes():
     assert r.rejected[0].constraint == "nodes" and "at least 2" in r.rejected[0].reason
     # without min_nodes, a short region is no candidate at all
     assert rank(spec(num_nodes=4), [c], [], NOW, available_nodes={key: 3}).rejected
+
+
+def test_a_capacity_refusal_offers_an_elastic_job_one_node_fewer_there_down_to_min_nodes():
+    s = spec(num_nodes=4, min_nodes=2)
+    c = CATALOG[2]
+    refused = FailureRecord(c.cloud, c.region, c.instance_type, NOW - timedelta(minutes=5),
+                            "capacity_unavailable", num_nodes=4)  # fmt: skip
+    (placed,) = rank_candidates(s, [c], [refused], NOW)
+    assert placed.num_nodes == 3 and any("fewer nodes (3 of 4" in r for r in placed.reasons)
+    # refused at 3 as well: 2, the min; refused at 2: the placement cools down
+    again = replace(refused, num_nodes=3)
+    assert rank_candidates(s, [c], [refused, again], NOW)[0].num_nodes == 2
+    last = rank(s, [c], [refused, again, replace(refused, num_nodes=2)], NOW)
+    assert not last.ranked and "had no capacity" in last.rejected[0].reason
+
+
+def test_a_capacity_refusal_still_cools_the_placement_down_for_a_job_without_min_nodes():
+    c = CATALOG[2]
+    refused = FailureRecord(c.cloud, c.region, c.instance_type, NOW - timedelta(minutes=5),
+                            "capacity_unavailable", num_nodes=4)  # fmt: skip
+    assert not rank(spec(num_nodes=4), [c], [refused], NOW).ranked
+    # a refusal that does not say how many it asked for blocks an elastic job too
+    unknown = replace(refused, num_nodes=None)
+    assert not rank(spec(num_nodes=4, min_nodes=2), [c], [unknown], NOW).ranked
 
 
 def test_fewer_nodes_cost_throughput_so_a_full_region_wins_at_equal_price():

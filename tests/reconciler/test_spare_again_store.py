@@ -180,3 +180,22 @@ def test_an_earlier_trys_silent_spare_ends_neither_the_group_nor_the_new_try(shr
         job = repo.get_job(s, w.job)
         assert job.status == JobStatus.RUNNING.value  # no incident for the old spare
     assert not w.spare().released  # type: ignore[union-attr]
+
+
+def test_a_capacity_refusal_is_remembered_with_the_nodes_it_asked_for(shrunk):
+    """What lets the planner offer an elastic job fewer nodes where a launch of more
+    was refused (``planner.capacity_short``): the refusal's node count, stored."""
+    from orchestrator.domain.plan import Placement
+    from orchestrator.store import work
+    from orchestrator.store.snapshot import placement_history
+
+    w = shrunk
+    p = Placement("fake", "r1", "cpu", None, 0, 3, True, price_per_node_hour=0.5)
+    with w.sm.begin() as s:
+        work.record_launch_failure(s, w.job, 2, p, "InsufficientInstanceCapacity",
+                                   capacity=True, now=w.now)  # fmt: skip
+    with w.sm() as s:
+        (refused,) = placement_history(s, w.now)
+    assert (refused.region, refused.failure_class, refused.num_nodes) == (
+        "r1", "capacity_unavailable", 3,
+    )  # fmt: skip
