@@ -1242,6 +1242,16 @@ def _spare(s: JobSnapshot, a: AttemptView, sp: SpareView, cfg: ReconcileConfig) 
     return []
 
 
+def _work_left(a: AttemptView) -> tuple[int | None, float | None]:
+    """The steps the ranks say are left and the slowest rank's step time (None: not
+    said): what the elastic weighings set against a replacement's provisioning."""
+    times = [r.step_time for n in a.nodes for r in n.ranks if r.step_time is not None]
+    ends = [r.max_steps for n in a.nodes for r in n.ranks if r.max_steps is not None]
+    last = a.last_step()
+    left = max(0, max(ends) - last) if ends and last is not None else None
+    return left, (max(times) if times else None)
+
+
 def _ask_again(
     s: JobSnapshot, a: AttemptView, sp: SpareView | None, cfg: ReconcileConfig
 ) -> list[Action]:
@@ -1262,17 +1272,15 @@ def _ask_again(
     tries = sp.tries if sp is not None else 0
     since = sp.released_at if sp is not None else None
     waited = _age(s.now, since or a.up_at or a.started_at)
-    times = [r.step_time for n in a.nodes for r in n.ranks if r.step_time is not None]
-    ends = [r.max_steps for n in a.nodes for r in n.ranks if r.max_steps is not None]
-    last = a.last_step()
+    steps_left, step_time = _work_left(a)
     choice = el.choose_ask_again(
         s.spec,
         training,
         tries=tries,
         waited_s=waited,
         provision_s=s.provision_s,
-        steps_left=max(0, max(ends) - last) if ends and last is not None else None,
-        step_time_s=max(times) if times else None,
+        steps_left=steps_left,
+        step_time_s=step_time,
         cfg=cfg.elastic,
     )
     if not choice.ask:
@@ -1739,16 +1747,14 @@ def _select(
             + (" (a refill of its cluster)" if verb is LaunchVerb.REFILL else "")
         )
         if spec.elastic_nodes:
-            times = [r.step_time for n in a.nodes for r in n.ranks if r.step_time is not None]
-            ends = [r.max_steps for n in a.nodes for r in n.ranks if r.max_steps is not None]
-            last = a.last_step()
+            steps_left, step_time = _work_left(a)
             shrink = el.choose_shrink(
                 spec,
                 len(kept),
                 provision_s=s.provision_s,
                 startup_s=s.startup_s,
-                steps_left=max(0, max(ends) - last) if ends and last is not None else None,
-                step_time_s=max(times) if times else None,
+                steps_left=steps_left,
+                step_time_s=step_time,
                 cfg=cfg.elastic,
             )
             if shrink.shrink and verb is LaunchVerb.JOIN_SURVIVORS:

@@ -153,7 +153,8 @@ def parts_of(a: Attempt) -> list[LaunchHandle]:
     return [_handle(h, h["launcher"])]
 
 
-def _when(h: dict[str, Any] | None, key: str) -> datetime | None:
+def handle_time(h: dict[str, Any] | None, key: str) -> datetime | None:
+    """A time a launch handle records (``requested_at``, ``up_at``), or None."""
     raw = (h or {}).get(key)
     try:
         return utc(datetime.fromisoformat(raw)) if isinstance(raw, str) else None
@@ -306,7 +307,7 @@ def _provision_times(s: Session, a: Attempt, limit: int = 20) -> tuple[float, ..
         .limit(limit * 4)
     )
     for r in rows:
-        asked, up = _when(r.handle, "requested_at"), _when(r.handle, "up_at")
+        asked, up = handle_time(r.handle, "requested_at"), handle_time(r.handle, "up_at")
         if asked is None or up is None or records.launched_verb(r) is not rc.LaunchVerb.LAUNCH:
             continue
         out.append((up - asked).total_seconds())
@@ -351,7 +352,7 @@ def _validated_startups(s: Session, job_id: str) -> tuple[float, ...]:
     ``up_at`` (every node up) to ``validated_at`` (every rank's resume report)."""
     out = []
     for a in s.scalars(select(Attempt).where(Attempt.job_id == job_id)):
-        up, ok = _when(a.handle, "up_at"), _when(a.handle, "validated_at")
+        up, ok = handle_time(a.handle, "up_at"), handle_time(a.handle, "validated_at")
         if up is not None and ok is not None and ok >= up:
             out.append((ok - up).total_seconds())
     return tuple(out)
@@ -480,7 +481,7 @@ def _attempt_view(
         )
         if of_attempt(e, job_id, a.number)
     }
-    up_at = _when(a.handle, "up_at")
+    up_at = handle_time(a.handle, "up_at")
     provision = None
     if handle is not None and up_at is None and a.state != AttemptState.ENDED:
         provision = _progress(launcher, parts, job_id)
@@ -616,7 +617,7 @@ def _attempt_view(
             past_ids=frozenset(past_ids - spare_ids),
         )
     return rc.AttemptView(
-        requested_at=_when(a.handle, "requested_at"),
+        requested_at=handle_time(a.handle, "requested_at"),
         up_at=up_at,
         provision=provision,
         staged=staged,

@@ -33,7 +33,7 @@ from orchestrator.store.incidents import (
 from orchestrator.store.models import Attempt, FailureEvent, Job, Lease, Node, NodeCommand
 from orchestrator.store.models import ProtocolStep as StepRow
 from orchestrator.store.shape import attempt_shape
-from orchestrator.store.snapshot import attempt_row, parts_of, utc
+from orchestrator.store.snapshot import attempt_row, handle_time, parts_of, utc
 
 LEASE_NAME = "reconciler"
 
@@ -443,7 +443,7 @@ def spare_asked_again(
     past = list(plan.spare_past)
     if plan.spare_cluster is not None:
         past.append(plan.spare_cluster)
-        asked = plan.spare_asked_at or _handle_time(a, "requested_at")
+        asked = plan.spare_asked_at or handle_time(a.handle, "requested_at")
         if asked is not None and plan.spare_released_at is not None:
             held += max(0.0, (plan.spare_released_at - asked).total_seconds())
     k = {
@@ -485,15 +485,6 @@ def spare_asked_again(
         now=now,
     )
     s.flush()
-
-
-def _handle_time(a: Attempt, key: str) -> datetime | None:
-    raw = (a.handle or {}).get(key)
-    try:
-        at = datetime.fromisoformat(raw) if isinstance(raw, str) else None
-    except ValueError:
-        return None
-    return utc(at)
 
 
 def group_address(s: Session, job_id: str, number: int) -> str | None:
