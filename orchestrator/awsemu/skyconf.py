@@ -71,6 +71,8 @@ EXTRA_CATALOG = REPO_ROOT / "tests" / "awsemu" / "catalog"
 
 SKY_HOME = "sky-home"
 PORT_TRIES = 3  # API server starts tried when its port was taken meanwhile
+#: What SkyPilot's server log says when its port (or its queue manager's) was taken.
+PORT_TAKEN = ("is not available", "is already in use")
 STATE_FILE = "skyconf.json"
 CATALOG_VERSION = "v8"  # sky.skylet.constants.CATALOG_SCHEMA_VERSION for 0.14.1
 
@@ -210,14 +212,46 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def free_port() -> int:
-    """A loopback port that binds now, chosen below the kernel's ephemeral range.
+def queue_manager_port(api_port: int) -> int:
+    """The port SkyPilot's API server on ``api_port`` gives its request-queue manager.
 
-    The API server binds this port only later (``sky api start``), and in between the
-    emulator's own clients open connections: a port from the ephemeral range can be
-    taken by one of them as its local port, and SkyPilot's server then exits with
-    "Port N is not available" (seen in CI). Ports below that range are never handed out
-    to outgoing connections.
+    SkyPilot 0.14.1 derives it from the API port, within [50000, 60000)
+    (``sky/server/requests/queues/mp_queue.py``, ``get_queue_manager_port``), and the
+    server exits with "port N is already in use by another process" when it does not
+    bind. That range lies inside the kernel's ephemeral range, so a port some other
+    server took with ``bind(0)``, or an outgoing connection's local port, can be it (seen
+    in CI). The constants are SkyPilot's own; a test checks this against its function.
+    """
+    from sky.server import common
+    from sky.server.requests.queues import mp_queue
+
+    offset = api_port - common.DEFAULT_SERVER_PORT
+    if offset == 0:
+        return int(mp_queue.DEFAULT_QUEUE_MANAGER_PORT)
+    return 50000 + (int(mp_queue.DEFAULT_QUEUE_MANAGER_PORT) - 50000 + offset) % 10000
+
+
+def _binds(port: int, reuse_addr: bool = False) -> bool:
+    with socket.socket() as s:
+        if reuse_addr:  # as SkyPilot checks its queue port: a TIME_WAIT socket does not count
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port() -> int:
+    """A loopback port for the API server that binds now, as does its queue manager's.
+
+    It is chosen below the kernel's ephemeral range: the API server binds it only later
+    (``sky api start``), and in between the emulator's own clients open connections, and
+    a port from that range can be taken by one of them as its local port; SkyPilot's
+    server then exits with "Port N is not available" (seen in CI). Ports below that
+    range are never handed out to outgoing connections. The queue manager's port
+    (:func:`queue_manager_port`) cannot be kept out of that range, so it is only checked
+    free now; :func:`start_api_server` takes a fresh pair when it was taken meanwhile.
     """
     import random
 
@@ -230,6 +264,7 @@ def free_port() -> int:
             except OSError:
                 continue
             chosen: int = s.getsockname()[1]
+        if _binds(queue_manager_port(chosen), reuse_addr=True):
             return chosen
     raise SkyConfError("no free loopback port below the ephemeral range")
 
@@ -449,19 +484,25 @@ def start_api_server(emu_home: Path, timeout: float = 180) -> str:
     if api_server_healthy(emu_home):
         stop_api_server(emu_home)
     for _ in range(PORT_TRIES):
+        port = int(str(read_state(emu_home)["api_port"]))
+        if not (_binds(port) and _binds(queue_manager_port(port), reuse_addr=True)):
+            _new_api_port(emu_home)  # chosen at prepare time, and taken since
         proc = _sky(emu_home, "api", "start", "--host", "127.0.0.1", timeout=timeout)
         if proc.returncode == 0 and api_server_healthy(emu_home):
             return api_server_url(emu_home)
         log = server_log_tail(emu_home)
-        if "is not available" not in log:
+        if not any(taken in log for taken in PORT_TAKEN):
             break
-        # Another process bound the port after it was chosen: a fresh one, then again.
-        state = read_state(emu_home)
-        write_client_home(emu_home, str(state["endpoint"]), api_port=free_port())
+        # Another process bound a port after it was chosen: a fresh pair, then again.
+        _new_api_port(emu_home)
     raise SkyConfError(
         f"sky api start failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-2000:]}"
         f"\n--- {SkyLayout(emu_home).server_log} (last lines) ---\n{log}"
     )
+
+
+def _new_api_port(emu_home: Path) -> None:
+    write_client_home(emu_home, str(read_state(emu_home)["endpoint"]), api_port=free_port())
 
 
 def server_log_tail(emu_home: Path, limit: int = 3000) -> str:

@@ -220,16 +220,37 @@ def sky_home(moto_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         skyconf.stop_api_server(home)
 
 
-@pytest.mark.long  # 41 s; in CI's emulator step, whose modules start API servers
-def test_an_api_port_taken_before_the_server_binds_it_is_swapped_for_a_free_one(
-    tmp_path: Path,
+def test_the_queue_port_is_the_one_skypilots_server_derives_from_the_api_port(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # CI saw SkyPilot's server exit with "Port N is not available": the port chosen at
-    # prepare time had been taken by the time `sky api start` bound it.
+    from sky.server.requests.queues import mp_queue
+
+    for api_port in (46580, 30541, 20000, 32767, 46579, 56580):
+        monkeypatch.setenv("SKYPILOT_API_SERVER_LOCAL_PORT", str(api_port))
+        assert skyconf.queue_manager_port(api_port) == mp_queue.get_queue_manager_port()
+    assert skyconf.queue_manager_port(30541) == 53972  # the port CI saw taken
+
+
+def test_a_chosen_api_port_comes_with_a_queue_port_that_binds() -> None:
+    for _ in range(20):
+        port = skyconf.free_port()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", skyconf.queue_manager_port(port)))
+
+
+@pytest.mark.long  # 41 s each; in CI's emulator step, whose modules start API servers
+@pytest.mark.parametrize("which", ["api", "queue"])
+def test_an_api_port_taken_before_the_server_binds_it_is_swapped_for_a_free_one(
+    tmp_path: Path, which: str
+) -> None:
+    # CI saw SkyPilot's server exit with "Port N is not available" (its API port) and
+    # with "port N is already in use by another process" (the queue manager's port it
+    # derives from the API port): the port chosen at prepare time had been taken by the
+    # time `sky api start` bound it.
     skyconf.prepare(tmp_path, "http://127.0.0.1:1", runtime=False)
     taken = int(str(skyconf.read_state(tmp_path)["api_port"]))
     with socket.socket() as squatter:
-        squatter.bind(("127.0.0.1", taken))
+        squatter.bind(("127.0.0.1", taken if which == "api" else skyconf.queue_manager_port(taken)))
         squatter.listen()
         url = skyconf.start_api_server(tmp_path)
         try:
