@@ -40,11 +40,13 @@ class LoopError(RuntimeError):
 
 
 def task_yaml(
-    *, s3_endpoint: str, keys: tuple[str, str], steps: int, instance_type: str = "m6i.large"
+    *, s3_endpoint: str, keys: tuple[str, str], steps: int, instance_type: str = "m6i.large",
+    train_args: str = "--step-sleep 0.2",
 ) -> str:
     """The user's SkyPilot task: CPU spot nodes on AWS, the S3 store's endpoint and
     keys for the node's checkpoint client, boto3 installed from the node's own wheel
-    cache (the image has torch, not boto3), and the GPT run."""
+    cache (the image has torch, not boto3), and the GPT run (``train_args``: more of
+    ``train_gpt``'s arguments)."""
     import yaml
 
     doc = {
@@ -54,7 +56,7 @@ def task_yaml(
         "setup": (
             f'python3 -m pip install --quiet --no-index --find-links "{NODE_WHEELS}" boto3\n'
         ),
-        "run": (f"python3 -m training.examples.train_gpt --max-steps {steps} --step-sleep 0.2\n"),
+        "run": f"python3 -m training.examples.train_gpt --max-steps {steps} {train_args}\n",
     }
     return yaml.safe_dump(doc, sort_keys=False)
 

@@ -11,12 +11,8 @@ weights must agree to a stated tolerance."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +21,14 @@ from test_cloud_path_e2e import events, incidents, serving, step_detail
 
 from orchestrator.demo import api_get, api_post, wait_for
 from orchestrator.launchers.netns import Fabric
+from tests.elastic_run import (
+    phases,
+    read_samples,
+    uninterrupted,
+    worlds_checked,
+    worst_loss_gap,
+    worst_weight_gap,
+)
 
 pytestmark = [
     pytest.mark.e2e,
@@ -63,44 +67,8 @@ def elastic_spec(home: Path, uri: str) -> dict[str, Any]:
     }
 
 
-def read_samples(d: Path) -> dict[int, list[dict[str, Any]]]:
-    """Per step, the lines of the latest launch that ran it, in rank order (a resume
-    redoes the steps after its checkpoint: the earlier launch's lines were undone)."""
-    lines: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for f in d.glob("*.jsonl"):
-        for raw in f.read_text().splitlines():
-            rec = json.loads(raw)
-            lines[rec["step"]].append(rec)
-    out = {}
-    for step, recs in lines.items():
-        latest = max(r["launch"] for r in recs)
-        out[step] = sorted((r for r in recs if r["launch"] == latest), key=lambda r: r["rank"])
-    return out
-
-
-def uninterrupted(home: Path) -> Path:
-    """The same script on 3 ranks of this machine, nothing injected: the baseline."""
-    home.mkdir()
-    (home / "samples").mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SKYRESUME_RUN_")}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-        "-m", "training.examples.train_gpt", *ARGS.split(),
-        "--checkpoint-uri", f"file://{home / 'ckpt'}",
-        "--sample-log", f"{home / 'samples'}/{{rank}}.jsonl",
-        "--save-final", str(home / "final.pt"),
-    ]  # fmt: skip
-    subprocess.run(cmd, env=env, check=True, timeout=300, capture_output=True)
-    return home
-
-
 @pytest.mark.long  # CI runs it in .ci/run's long step
 def test_three_nodes_shrink_to_two_at_once_and_grow_back_seeing_every_sample_once(tmp_path):
-    import torch
-
-    from training.data import ResumableSampler
-
     home = tmp_path / "elastic"
     home.mkdir()
     (home / "samples").mkdir()
@@ -136,21 +104,12 @@ def test_three_nodes_shrink_to_two_at_once_and_grow_back_seeing_every_sample_onc
     assert "0 steps lost" in step_detail(grow, "confirm_checkpoint")
     assert "grow" in kinds
 
-    base = uninterrupted(tmp_path / "baseline")
+    base = uninterrupted(tmp_path / "baseline", ARGS, 3)
     got, want = read_samples(home / "samples"), read_samples(base / "samples")
-    assert sorted(got) == list(range(STEPS)) == sorted(want)
-    sampler = ResumableSampler(600, GLOBAL_BATCH, seed=0, rank=0, world_size=1)
-    worlds = []
-    for step in range(STEPS):
-        ids = [i for r in got[step] for i in r["indices"]]
-        # every step's global batch: the spec's 12, the same samples as uninterrupted
-        assert len(ids) == GLOBAL_BATCH and all(r["global_batch"] == 12 for r in got[step])
-        assert ids == [i for r in want[step] for i in r["indices"]] == sampler.global_indices()
-        sampler.advance()
-        worlds.append(got[step][0]["world"])
+    # every step's global batch: the spec's 12, the same samples as uninterrupted
+    worlds = worlds_checked(got, STEPS, GLOBAL_BATCH, 600, want)
     # 3 ranks, then 2 from the confirmed checkpoint, then 3 again
-    phases = [w for i, w in enumerate(worlds) if i == 0 or worlds[i - 1] != w]
-    assert phases == [3, 2, 3], worlds
+    assert phases(worlds) == [3, 2, 3], worlds
     # The shrunk group ran in the survivors' own processes, torch and the model kept.
     shrank_at = worlds.index(2)
     first = {r["pid"] for step in range(shrank_at) for r in got[step]}
@@ -159,25 +118,10 @@ def test_three_nodes_shrink_to_two_at_once_and_grow_back_seeing_every_sample_onc
     # Losses: the same samples and weights each step; only the gradient's sum order
     # differs (2 ranks of 6 or 3 of 4 samples, gloo's ring), so float32 sums differ by
     # ~1e-7 a step: well under 1e-3 over the run.
-    for step in range(STEPS):
-        mine = sum(r["loss"] for r in got[step]) / len(got[step])
-        theirs = sum(r["loss"] for r in want[step]) / len(want[step])
-        assert abs(mine - theirs) < 1e-3, (step, mine, theirs)
+    assert worst_loss_gap(got, want, STEPS) < 1e-3
     # Weights (batch: keep): every value within 1e-5 of the uninterrupted run's but the
-    # attention's key bias (the middle third of in_proj_bias), whose gradient is exactly
-    # zero in real arithmetic (softmax ignores a bias every key shares): AdamW divides
-    # its float noise by that noise's own RMS and steps it by up to the learning rate
-    # either way, so it follows no run (measured over 160 steps: up to 5e-3 apart,
-    # every other value at most 7.2e-7).
-    a = torch.load(home / "final.pt", weights_only=False)["model"]
-    b = torch.load(base / "final.pt", weights_only=False)["model"]
-    d = 64  # --d-model
-
-    def comparable(k: str, t: torch.Tensor) -> torch.Tensor:
-        return torch.cat([t[:d], t[2 * d :]]) if k.endswith("attn.in_proj_bias") else t
-
-    worst = max((comparable(k, a[k]) - comparable(k, b[k])).abs().max().item() for k in b)
-    assert worst < 1e-5, worst
+    # attention's key bias (worst_weight_gap says why).
+    assert worst_weight_gap(home / "final.pt", base / "final.pt", d_model=64) < 1e-5
 
 
 RETRY_STEPS = 400
@@ -189,8 +133,6 @@ def test_a_standby_refused_for_capacity_is_asked_for_again_and_the_group_grows_b
     its standby launch fails for capacity; 5 s later (SKYRESUME_SPARE_RETRY_S) the
     service asks again, the capacity is back, and the group grows onto the new node.
     Every step's global batch is still the sampler's, seen once."""
-    from training.data import ResumableSampler
-
     home = tmp_path / "again"
     home.mkdir()
     (home / "samples").mkdir()
@@ -220,14 +162,5 @@ def test_a_standby_refused_for_capacity_is_asked_for_again_and_the_group_grows_b
     assert "restart in place as one group of 3" in step_detail(grow, "select_replacement")
     assert "-n3" in step_detail(grow, "select_replacement")  # the second try's node
 
-    got = read_samples(home / "samples")
-    assert sorted(got) == list(range(RETRY_STEPS))
-    sampler = ResumableSampler(600, GLOBAL_BATCH, seed=0, rank=0, world_size=1)
-    worlds = []
-    for step in range(RETRY_STEPS):
-        ids = [i for r in got[step] for i in r["indices"]]
-        assert len(ids) == GLOBAL_BATCH and ids == sampler.global_indices(), step
-        sampler.advance()
-        worlds.append(got[step][0]["world"])
-    phases = [w for i, w in enumerate(worlds) if i == 0 or worlds[i - 1] != w]
-    assert phases == [3, 2, 3], worlds
+    worlds = worlds_checked(read_samples(home / "samples"), RETRY_STEPS, GLOBAL_BATCH, 600)
+    assert phases(worlds) == [3, 2, 3], worlds
