@@ -50,6 +50,11 @@ it read the membership, formed the group, loaded the state and resumed; torchrun
 figure is the same thing, the kill -> the ``ts`` of a restarted worker's first
 progress datagram. As the service saw it: the attempts API, polled every 0.25 s (what
 the waiting job's figure is, so ``elastic_over_waiting`` compares like with like).
+``--elastic-trials`` (3) node kills of the elastic job in all, the first the run above,
+the rest each watched only to its shrink: their median against torchrun's, and how
+many SIGNAL held warm. A survivor whose rank is still blocked in a collective on the
+lost peer (no connection error reached it) is not waiting warm when the 20 s warm wait
+ends: SIGNAL stops it, and that trial is a cold restart, timed as the service saw it.
 
 Ends with one JSON line: ``{"bench": "recovery", ...}`` (``"recovery-remedies"``,
 ``"recovery-survivors"``, ``"recovery-elastic"``).
@@ -646,7 +651,30 @@ def _step_at(run: dict, t: float) -> int | None:
     return before[-1] if before else None
 
 
-def main_elastic(provision_s: float, torchrun_trials: int) -> None:
+def _held_warm(run: dict) -> bool:
+    """The node loss's SIGNAL held the survivors warm (else it stopped them: cold)."""
+    lost = next((i for i in run["incidents"] if i["failure_class"] == "node_lost"), None)
+    signal = next((x for x in (lost or {}).get("steps", []) if x["step"] == "signal"), None)
+    return "held warm" in ((signal or {}).get("detail") or "")
+
+
+def shrink_trials(tmp: Path, provision_s: float, trials: int) -> list[dict]:
+    """More node kills of the elastic job, each watched only until its shrink (20 s):
+    kill -> first shrunk step by the ranks' clocks where held warm, as the service saw
+    it where stopped cold (no regroup line then)."""
+    out = []
+    for k in range(trials):
+        (tmp / str(k)).mkdir()
+        run = elastic_run(tmp / str(k), provision_s, 2, 20.0)
+        by_rank, _ = shrink_by_rank(run)
+        warm = _held_warm(run)
+        first = by_rank if warm and by_rank is not None else _first_step_s(run)
+        out.append({"warm": warm, "first_shrunk_step_s": first})
+        print(f"elastic shrink trial {k + 2}: {out[-1]}", flush=True)
+    return out
+
+
+def main_elastic(provision_s: float, torchrun_trials: int, elastic_trials: int = 3) -> None:
     window = provision_s + 120.0
     with tempfile.TemporaryDirectory(prefix="bench-elastic-") as d:
         runs = {}
@@ -670,9 +698,20 @@ def main_elastic(provision_s: float, torchrun_trials: int) -> None:
         by_rank, phases = shrink_by_rank(runs["elastic"])
         print(f"elastic: first shrunk step {by_rank} s after the kill by the ranks' clocks; "
               f"each phase done at (s after the kill): {phases}", flush=True)  # fmt: skip
+        (Path(d) / "shrinks").mkdir()
+        first_trial = {
+            "warm": _held_warm(runs["elastic"]),
+            "first_shrunk_step_s": by_rank
+            if _held_warm(runs["elastic"]) and by_rank is not None
+            else _first_step_s(runs["elastic"]),
+        }
+        more = shrink_trials(Path(d) / "shrinks", provision_s, max(0, elastic_trials - 1))
+        shrinks = [first_trial, *more]
         (Path(d) / "torchrun").mkdir()
         base = baseline_trials(Path(d) / "torchrun", torchrun_trials, TORCHRUN_RECOVER_S)
     e, w = runs["elastic"], runs["waiting"]
+    seen = [t["first_shrunk_step_s"] for t in shrinks if t["first_shrunk_step_s"] is not None]
+    shrink_median = statistics.median(seen) if seen else None
     e_first, w_first = _first_step_s(e), _first_step_s(w)
     at = w_first if w_first is not None else window
     e_step, w_step = _step_at(e, at), _step_at(w, at)
@@ -692,6 +731,16 @@ def main_elastic(provision_s: float, torchrun_trials: int) -> None:
                 "elastic_first_shrunk_step_rank_s": r(by_rank),
                 "elastic_over_torchrun": r(by_rank / torchrun, 3) if by_rank and torchrun else None,
                 "target_basis": "rank",
+                # Every trial's kill -> first shrunk step (the first is the run above):
+                # by the ranks' clocks where SIGNAL held the survivors warm; where it
+                # stopped them cold (a survivor still blocked in a collective on the
+                # lost peer when the warm wait ended), as the service saw it.
+                "elastic_trials": shrinks,
+                "elastic_warm": f"{sum(t['warm'] for t in shrinks)} of {len(shrinks)}",
+                "elastic_median_first_shrunk_step_s": r(shrink_median),
+                "elastic_median_over_torchrun": r(shrink_median / torchrun, 3)
+                if shrink_median and torchrun
+                else None,
                 # As the service saw it (the attempts API, polled every 0.25 s): what
                 # elastic_over_waiting compares, both sides seen the same way.
                 "elastic_first_shrunk_step_service_s": r(e_first),
@@ -761,9 +810,13 @@ def main() -> None:
     p.add_argument("--torchrun-trials", type=int, default=3,
                    help="--elastic: node kills under plain torchrun (median of those that "
                    "re-form; each trial's outcome is printed)")  # fmt: skip
+    p.add_argument("--elastic-trials", type=int, default=3,
+                   help="--elastic: node kills of the elastic job (the first watched "
+                   "through its grow, the rest to their shrink): median, count warm")  # fmt: skip
     args = p.parse_args()
     if args.elastic:
-        main_elastic(60.0 if args.provision_s is None else args.provision_s, args.torchrun_trials)
+        main_elastic(60.0 if args.provision_s is None else args.provision_s,
+                     args.torchrun_trials, args.elastic_trials)  # fmt: skip
         return
     if args.survivors:
         main_survivors(20.0 if args.provision_s is None else args.provision_s)
