@@ -48,6 +48,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from orchestrator.launchers.netns import bridge_mac
+
 #: The link-local metadata address; the netns helpers use the same.
 METADATA_IP = "169.254.169.254"
 NODE_IFNAME = "eth0"
@@ -212,6 +214,9 @@ class HostPool:
                     )
         if not _link_exists(self.bridge):
             _run("ip", "link", "add", self.bridge, "type", "bridge")
+        # A fixed MAC (bridge_mac says why): a host terminated must not cut the others
+        # off from the gateway, where the service, S3 and metadata are.
+        _run("ip", "link", "set", self.bridge, "address", bridge_mac(self.gateway))
         _run("ip", "addr", "replace", str(gw), "dev", self.bridge)
         _run("ip", "link", "set", self.bridge, "up")
         # docker sets FORWARD to DROP, which (with br_netfilter) silently cuts traffic

@@ -113,6 +113,18 @@ def parse_rate(rate: str) -> int:
     return bits
 
 
+def bridge_mac(gateway: str) -> str:
+    """A fixed, locally administered MAC for a bridge whose address is ``gateway``.
+
+    A Linux bridge otherwise takes its lowest port's MAC, so it changes when a node's
+    veth comes or goes, and every other node's ARP entry for the gateway points at a
+    MAC nobody answers for ~30 s (measured: a kept node's setup timed out twice
+    reaching the service after a replacement joined; on the emulated AWS, an instance
+    terminated cut its peers off from the service for as long)."""
+    packed = ipaddress.IPv4Address(gateway).packed
+    return "02:53:52:" + ":".join(f"{b:02x}" for b in packed[1:])
+
+
 def _run(
     *cmd: str, check: bool = True, input: str | None = None
 ) -> subprocess.CompletedProcess[str]:
@@ -274,12 +286,7 @@ class Fabric:
                     f"real network): pick another subnet for bridge {self.bridge}"
                 )
         if not _link_exists(self.bridge):
-            # A fixed MAC: a bridge otherwise takes its lowest port's, so it changes when
-            # a node's veth comes or goes, and every other node's ARP entry for the
-            # gateway points at a MAC nobody answers for ~30 s (measured: a kept node's
-            # setup timed out twice reaching the service after a replacement joined).
-            gw_ip = ipaddress.IPv4Address(self.gateway)
-            mac = "02:53:52:" + ":".join(f"{b:02x}" for b in gw_ip.packed[1:])
+            mac = bridge_mac(self.gateway)
             _run("ip", "link", "add", self.bridge, "address", mac, "type", "bridge")
         if (self.bridge, ipaddress.ip_interface(gw)) not in self._addresses():
             _run("ip", "addr", "replace", gw, "dev", self.bridge)

@@ -20,6 +20,7 @@ from orchestrator.awsemu import emulator
 from orchestrator.awsemu.ec2 import keys_from_user_data
 from orchestrator.awsemu.front import admin
 from orchestrator.awsemu.hosts import HostError, HostPool, ensure_prerequisites, unavailable_reason
+from orchestrator.launchers.netns import bridge_mac
 
 AMI = "ami-785db401"
 BRIDGE = "mbrt"
@@ -195,6 +196,26 @@ def test_terminating_an_instance_ends_its_host_and_every_process_in_it(
     assert "sleep 4242" not in subprocess.run(["ps", "-eo", "args"], capture_output=True,
                                               text=True).stdout  # fmt: skip
     assert not Path(spec.dir).exists()  # a terminated instance's disk is gone
+
+
+@needs_hosts
+@pytest.mark.e2e
+def test_the_gateway_keeps_its_mac_while_hosts_come_and_go(
+    emu: emulator.Emulator, key: tuple[Path, str]
+) -> None:
+    # A bridge takes its lowest port's MAC unless told one: a terminated host's veth
+    # going took the gateway's MAC with it, and its peers' heartbeats to the service
+    # went nowhere for about 30 s (the elastic SkyPilot e2e's survivors, unheard).
+    assert emu.pool is not None
+    mac = Path(f"/sys/class/net/{BRIDGE}/address")
+    want = bridge_mac(emu.pool.gateway)
+    assert mac.read_text().strip() == want
+    (iid,) = launch(emu, key[1])
+    emu.wait_host(iid)
+    assert mac.read_text().strip() == want
+    emu.boto3_client().terminate_instances(InstanceIds=[iid])
+    emu.wait_gone(iid)
+    assert mac.read_text().strip() == want
 
 
 @needs_hosts
