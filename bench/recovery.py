@@ -66,6 +66,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -658,6 +659,18 @@ def _held_warm(run: dict) -> bool:
     return "held warm" in ((signal or {}).get("detail") or "")
 
 
+def keep_cold_logs(home: Path, name: str) -> str:
+    """A cold shrink's node logs (agents' run.log, ranks' stderr.log) and the service's
+    log, copied out of the bench's temporary directory: why a survivor never said it
+    waits is read there. Returns where they are."""
+    out = Path(tempfile.gettempdir()) / f"bench-elastic-cold-{os.getpid()}-{name}"
+    for log in (*home.rglob("run.log"), *home.rglob("stderr.log"), *home.rglob("service.log")):
+        dest = out / log.relative_to(home)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(log, dest)
+    return str(out)
+
+
 def shrink_trials(tmp: Path, provision_s: float, trials: int) -> list[dict]:
     """More node kills of the elastic job, each watched only until its shrink (20 s):
     kill -> first shrunk step by the ranks' clocks where held warm, as the service saw
@@ -670,6 +683,8 @@ def shrink_trials(tmp: Path, provision_s: float, trials: int) -> list[dict]:
         warm = _held_warm(run)
         first = by_rank if warm and by_rank is not None else _first_step_s(run)
         out.append({"warm": warm, "first_shrunk_step_s": first})
+        if not warm:
+            out[-1]["logs"] = keep_cold_logs(tmp / str(k), f"trial{k + 2}")
         print(f"elastic shrink trial {k + 2}: {out[-1]}", flush=True)
     return out
 
@@ -699,12 +714,14 @@ def main_elastic(provision_s: float, torchrun_trials: int, elastic_trials: int =
         print(f"elastic: first shrunk step {by_rank} s after the kill by the ranks' clocks; "
               f"each phase done at (s after the kill): {phases}", flush=True)  # fmt: skip
         (Path(d) / "shrinks").mkdir()
-        first_trial = {
-            "warm": _held_warm(runs["elastic"]),
-            "first_shrunk_step_s": by_rank
-            if _held_warm(runs["elastic"]) and by_rank is not None
+        warm = _held_warm(runs["elastic"])
+        first_trial: dict = {
+            "warm": warm,
+            "first_shrunk_step_s": by_rank if warm and by_rank is not None
             else _first_step_s(runs["elastic"]),
-        }
+        }  # fmt: skip
+        if not warm:
+            first_trial["logs"] = keep_cold_logs(Path(d) / "elastic", "trial1")
         more = shrink_trials(Path(d) / "shrinks", provision_s, max(0, elastic_trials - 1))
         shrinks = [first_trial, *more]
         (Path(d) / "torchrun").mkdir()
