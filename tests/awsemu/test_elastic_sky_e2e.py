@@ -115,12 +115,13 @@ def life(tmp_path_factory: pytest.TempPathFactory, seen: Path) -> dict[str, Any]
         victim = _instance_of(loop, node_cluster_name(job, 1, 0, 2))
         out["victim"] = victim
         assert loop.emu.front is not None
-        t_kill = time.monotonic()
+        t_kill, t_kill_wall = time.monotonic(), time.time()
         loop.emu.front.terminate(victim)
         s = wait_for(loop, job, "the shrunk group training",
                      lambda st, n, v, step, b: n > s[1] and v is not None and step > v,
                      900)  # fmt: skip
-        out["kill_to_first_shrunk_step_s"] = round(time.monotonic() - t_kill, 1)
+        # As the service saw it: VALIDATE done and a step past the resume reported.
+        out["kill_to_shrunk_validated_s"] = round(time.monotonic() - t_kill, 1)
         out["shrunk_attempt"] = s[1]
         s = wait_for(loop, job, "the end", lambda st, n, v, step, b: st == "SUCCEEDED", 1200)
         out["status"] = s[0]
@@ -131,6 +132,12 @@ def life(tmp_path_factory: pytest.TempPathFactory, seen: Path) -> dict[str, Any]
             time.sleep(2)
         out["instances_left"] = [i["InstanceId"] for i in loop.instances()]
         out["sky_clusters_left"] = loop.sky_status()
+        # By the ranks' clock: each process group's start (rank 0's, in every line).
+        formed = [r["launch"] for recs in read_samples(seen / "samples").values()
+                  for r in recs if r["world"] == 2]  # fmt: skip
+        out["kill_to_shrunk_group_formed_s"] = (
+            round(min(formed) / 1e9 - t_kill_wall, 1) if formed else None
+        )
         lost = out["incidents"][0] if out["incidents"] else {}
         signal = next((x["detail"] for x in lost.get("steps", []) if x["step"] == "signal"), "")
         out["survivors_held_warm"] = "held warm" in (signal or "")
