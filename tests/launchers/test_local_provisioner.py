@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import random
+import secrets
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -167,9 +169,15 @@ def test_a_user_s_own_task_yaml_runs_its_setup_and_hands_its_run_to_the_agent(lo
 
 @pytest.mark.skipif(Fabric.unavailable_reason() is not None, reason="needs network namespaces")
 def test_nodes_in_namespaces_are_hosts_of_their_own(tmp_path: Path, wheel: str):
+    # A private bridge and subnet: the fabric's defaults are the emulated AWS's
+    # (10.213.0.0/16), whose tests may run beside this one, and then the fabric refuses
+    # the overlapping subnet (seen here while the emulator's loop e2e ran).
+    fabric = Fabric(tmp_path / "nodes" / "fabric", bridge=f"srbrp{secrets.token_hex(2)}",
+                    subnet=f"10.218.{random.randrange(256)}.0/24")  # fmt: skip
+    fabric.up()
     launcher = LocalLauncher(
         tmp_path / "nodes", "http://10.255.255.1:9", lambda job, attempt: "t",
-        LocalLauncherConfig(network="netns", package=wheel),
+        LocalLauncherConfig(network="netns", package=wheel), fabric=fabric,
     )  # fmt: skip
     try:
         handle = launcher.launch(_request("j4"))
