@@ -173,7 +173,7 @@ def test_nodes_in_namespaces_are_hosts_of_their_own(tmp_path: Path, wheel: str):
     # (10.213.0.0/16), whose tests may run beside this one, and then the fabric refuses
     # the overlapping subnet (seen here while the emulator's loop e2e ran).
     fabric = Fabric(tmp_path / "nodes" / "fabric", bridge=f"srbrp{secrets.token_hex(2)}",
-                    subnet=f"10.218.{random.randrange(256)}.0/24")  # fmt: skip
+                    subnet=f"10.219.{random.randrange(256)}.0/24")  # fmt: skip
     fabric.up()
     launcher = LocalLauncher(
         tmp_path / "nodes", "http://10.255.255.1:9", lambda job, attempt: "t",
