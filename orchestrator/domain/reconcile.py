@@ -2351,6 +2351,12 @@ def startup(
         if not heard and everyone and all(_is_working(r, hb) for _, r in ranks):
             return _plain(s, a, f"no rank sent a report in {waited:.0f} s while all used CPU")
         return None  # some rank works: a slow load, never a reason to stop training
+    unknown = [r for _, r in ranks if r.cpu_idle_s is None and r.report_age_s is None]
+    if unknown and waited <= limit + hb:
+        # Nothing says whether these ranks work: their agent has not measured their CPU
+        # yet (ranks found late on a loaded host). Not measured is not idle: wait one
+        # heartbeat timeout more for the measure before calling the start stuck.
+        return None
     absent: list[str] = []
     for n in a.nodes:
         if len(n.ranks) < a.ranks_per_node:

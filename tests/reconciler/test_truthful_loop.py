@@ -231,6 +231,22 @@ def test_a_stuck_start_names_the_missing_report_who_owes_it_and_why_it_matters()
     assert stuck.failure_class is F.NCCL_TIMEOUT  # every rank ran: the rendezvous worked
 
 
+def test_ranks_whose_cpu_is_not_measured_yet_are_waited_for_one_heartbeat_timeout_more():
+    """Not measured is not idle: a plain script's ranks found late on a loaded host have
+    no CPU reading at the validate timeout (seen in CI: a healthy start called stuck at
+    20 s, "no CPU measured"); the start is called stuck only a heartbeat timeout later."""
+
+    def ranks(k):
+        return (quiet(2 * k, idle=None), quiet(2 * k + 1, idle=None))
+
+    hb = snap().heartbeat_timeout_s
+    a = _unvalidated(ranks, 301.0)
+    assert rc.decide(snap(status=S.PROVISIONING, attempt=a)) == []
+    late = replace(a, up_at=ago(300.0 + hb + 1))
+    (stuck,) = rc.decide(snap(status=S.PROVISIONING, attempt=late))
+    assert stuck.kind is EventKind.STUCK and "no CPU measured" in stuck.message
+
+
 def test_ranks_that_never_started_are_a_rendezvous_failure_naming_the_node():
     def ranks(k):
         return (quiet(0, idle=200.0), quiet(1, idle=200.0)) if k == 0 else ()
