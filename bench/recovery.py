@@ -52,9 +52,9 @@ progress datagram. As the service saw it: the attempts API, polled every 0.25 s 
 the waiting job's figure is, so ``elastic_over_waiting`` compares like with like).
 ``--elastic-trials`` (3) node kills of the elastic job in all, the first the run above,
 the rest each watched only to its shrink: their median against torchrun's, and how
-many SIGNAL held warm. A survivor whose rank is still blocked in a collective on the
-lost peer (no connection error reached it) is not waiting warm when the 20 s warm wait
-ends: SIGNAL stops it, and that trial is a cold restart, timed as the service saw it.
+many SIGNAL held warm. A survivor that has not said it waits when the 20 s warm wait
+ends is stopped (docs/recovery.md, "SIGNAL holds them"): that trial is a cold restart,
+timed as the service saw it, and its logs are kept.
 
 Ends with one JSON line: ``{"bench": "recovery", ...}`` (``"recovery-remedies"``,
 ``"recovery-survivors"``, ``"recovery-elastic"``).
@@ -671,20 +671,26 @@ def keep_cold_logs(home: Path, name: str) -> str:
     return str(out)
 
 
+def shrink_trial(run: dict, home: Path, name: str) -> dict:
+    """One kill's shrink: kill -> first shrunk step by the ranks' clocks where held
+    warm, as the service saw it where stopped cold (no regroup line then, and its logs
+    kept)."""
+    by_rank, _ = shrink_by_rank(run)
+    warm = _held_warm(run)
+    first = by_rank if warm and by_rank is not None else _first_step_s(run)
+    out: dict = {"warm": warm, "first_shrunk_step_s": first}
+    if not warm:
+        out["logs"] = keep_cold_logs(home, name)
+    return out
+
+
 def shrink_trials(tmp: Path, provision_s: float, trials: int) -> list[dict]:
-    """More node kills of the elastic job, each watched only until its shrink (20 s):
-    kill -> first shrunk step by the ranks' clocks where held warm, as the service saw
-    it where stopped cold (no regroup line then)."""
+    """More node kills of the elastic job, each watched only until its shrink (20 s)."""
     out = []
     for k in range(trials):
         (tmp / str(k)).mkdir()
         run = elastic_run(tmp / str(k), provision_s, 2, 20.0)
-        by_rank, _ = shrink_by_rank(run)
-        warm = _held_warm(run)
-        first = by_rank if warm and by_rank is not None else _first_step_s(run)
-        out.append({"warm": warm, "first_shrunk_step_s": first})
-        if not warm:
-            out[-1]["logs"] = keep_cold_logs(tmp / str(k), f"trial{k + 2}")
+        out.append(shrink_trial(run, tmp / str(k), f"trial{k + 2}"))
         print(f"elastic shrink trial {k + 2}: {out[-1]}", flush=True)
     return out
 
@@ -714,14 +720,7 @@ def main_elastic(provision_s: float, torchrun_trials: int, elastic_trials: int =
         print(f"elastic: first shrunk step {by_rank} s after the kill by the ranks' clocks; "
               f"each phase done at (s after the kill): {phases}", flush=True)  # fmt: skip
         (Path(d) / "shrinks").mkdir()
-        warm = _held_warm(runs["elastic"])
-        first_trial: dict = {
-            "warm": warm,
-            "first_shrunk_step_s": by_rank if warm and by_rank is not None
-            else _first_step_s(runs["elastic"]),
-        }  # fmt: skip
-        if not warm:
-            first_trial["logs"] = keep_cold_logs(Path(d) / "elastic", "trial1")
+        first_trial = shrink_trial(runs["elastic"], Path(d) / "elastic", "trial1")
         more = shrink_trials(Path(d) / "shrinks", provision_s, max(0, elastic_trials - 1))
         shrinks = [first_trial, *more]
         (Path(d) / "torchrun").mkdir()
@@ -750,8 +749,8 @@ def main_elastic(provision_s: float, torchrun_trials: int, elastic_trials: int =
                 "target_basis": "rank",
                 # Every trial's kill -> first shrunk step (the first is the run above):
                 # by the ranks' clocks where SIGNAL held the survivors warm; where it
-                # stopped them cold (a survivor still blocked in a collective on the
-                # lost peer when the warm wait ended), as the service saw it.
+                # stopped them cold (a survivor had not said it waits when the warm
+                # wait ended), as the service saw it.
                 "elastic_trials": shrinks,
                 "elastic_warm": f"{sum(t['warm'] for t in shrinks)} of {len(shrinks)}",
                 "elastic_median_first_shrunk_step_s": r(shrink_median),

@@ -150,7 +150,8 @@ def life(tmp_path_factory: pytest.TempPathFactory, seen: Path) -> dict[str, Any]
 
 @pytest.fixture(scope="module")
 def baseline(life: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The same script uninterrupted on 3 ranks here (the pace left out: it sleeps)."""
+    """The same script uninterrupted on 3 ranks here (the pace left out: it sleeps),
+    after ``life`` (asked for only to run after it, not beside it)."""
     home = tmp_path_factory.mktemp("skyelastic-base") / "run"
     return uninterrupted(home, f"{MATH} --max-steps {STEPS}", 3)
 
